@@ -1,0 +1,58 @@
+# opefo-trl: `make demo` (GRPO vs OPEFO on a laptop CPU) and `make test` (offline test suite).
+# Both create .venv and install what they need on a fresh machine.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_VERSION ?= 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+DEMO_OUT ?= runs/demo
+DEMO_ARGS ?=
+PYTEST_ARGS ?=
+
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
+export TOKENIZERS_PARALLELISM := false
+# DeepSpeed is a pure-Python install on CPU: build no CUDA ops.
+export DS_BUILD_OPS := 0
+
+.PHONY: help install test demo demo-quick bench clean
+
+help:
+	@echo "make demo   - set up .venv, train GRPO / OPEFO / baselines on a synthetic task, write plots + table"
+	@echo "make test   - set up .venv and run the offline test suite"
+	@echo "make bench  - step-time and peak-memory ratios vs TRL's GRPOTrainer"
+
+$(VENV)/.torch:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# A GPU machine takes the default (CUDA) torch; elsewhere the CPU build, never a multi-GB CUDA download.
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(PIP) install "torch>=2.4"; \
+	else \
+		$(PIP) install "torch==$(TORCH_VERSION)+cpu" || \
+		$(PIP) install --index-url $(TORCH_CPU_INDEX) "torch==$(TORCH_VERSION)"; \
+	fi
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.torch setup.cfg pyproject.toml
+	$(PIP) install -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: install
+	$(PY) -m opefo_trl.demo --output-dir $(DEMO_OUT) $(DEMO_ARGS)
+
+demo-quick: install
+	$(PY) -m opefo_trl.demo --quick --output-dir $(DEMO_OUT)-quick $(DEMO_ARGS)
+
+bench: install
+	$(PY) benchmarks/bench_step.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

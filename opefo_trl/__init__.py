@@ -1,0 +1,24 @@
+"""opefo-trl: On-Policy Entropy Flow Optimization (OPEFO) and entropy-control baselines for TRL.
+
+    >>> from opefo_trl import OPEFOConfig, OPEFOTrainer   # drop-in for GRPOConfig / GRPOTrainer
+
+The maths modules (`entropy_flow`, `vocab_stats`, `methods`, `pass_at_k`) import torch/numpy only; the TRL glue
+(`OPEFOConfig`, `OPEFOTrainer`) is loaded on first use and checks the installed TRL version.
+"""
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "OPEFOConfig": "opefo_trl.config",
+    "OPEFOTrainer": "opefo_trl.trainer",
+}
+
+__all__ = ["OPEFOConfig", "OPEFOTrainer", "__version__"]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'opefo_trl' has no attribute {name!r}")

@@ -1,0 +1,131 @@
+"""Tiny local models and tokenizers for tests, the demo and smoke-mode notebooks.
+
+Nothing here touches the model hub: a byte-level BPE tokenizer is trained on a small arithmetic corpus
+with the ``tokenizers`` library, wrapped as a ChatML ``PreTrainedTokenizerFast``, and paired with a randomly
+initialised ``Qwen2ForCausalLM``. Both are saved to a directory so that anything which reloads a model by
+path (TRL's reference model when ``beta != 0``, ``opefo-train``, ``opefo-eval``) works offline.
+
+Example:
+    >>> from opefo_trl.tiny import build_tiny_model
+    >>> path = build_tiny_model("/tmp/tiny-qwen2")  # doctest: +SKIP
+    >>> # GRPOConfig(...); OPEFOTrainer(model=path, ...)
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def _corpus(num_lines: int = 2000, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    words = (
+        "Please reason step by step, and put your final answer within \\boxed{}. "
+        "Answer: the answer is what is compute solve find sum of plus minus times system user assistant"
+    ).split()
+    lines = []
+    for _ in range(num_lines):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        op = rng.choice(["+", "-", "*"])
+        lines.append(f"What is {a} {op} {b}? Answer: {eval(f'{a}{op}{b}')} \\boxed{{{a + b}}}")
+        lines.append(" ".join(rng.choices(words, k=8)))
+    return lines
+
+
+def build_tiny_tokenizer(vocab_size: int = 320):
+    """A ChatML byte-level BPE tokenizer (eos ``<|im_end|>``, pad ``<|endoftext|>``, left padding)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        padding_side="left",
+        chat_template=CHATML_TEMPLATE,
+    )
+
+
+def build_tiny_model(
+    path: str | os.PathLike,
+    *,
+    vocab_size: int | None = None,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 1024,
+    tie_word_embeddings: bool = True,
+    seed: int = 0,
+) -> str:
+    """Build and save a random Qwen2-shaped causal LM with its tokenizer under ``path``; return ``path``.
+
+    ``vocab_size`` defaults to the tokenizer's size. A larger value (e.g. Qwen's 151,936) pads the embedding
+    and LM head, which is what matters for cost; ids beyond the tokenizer decode to nothing.
+    Reuses an existing build at ``path`` with the same settings.
+    """
+    import json
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    path = os.fspath(path)
+    settings = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        seed=seed,
+    )
+    marker = os.path.join(path, "opefo_tiny.json")
+    if os.path.exists(marker):
+        with open(marker) as f:
+            if json.load(f) == settings:
+                return path
+
+    tokenizer = build_tiny_tokenizer()
+    config = Qwen2Config(
+        vocab_size=vocab_size or len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=max(1, num_heads // 2),
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    with open(marker, "w") as f:
+        json.dump(settings, f)
+    return path

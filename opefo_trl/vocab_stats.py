@@ -1,0 +1,134 @@
+"""Full-vocabulary statistics of a softmax policy from hidden states and the LM head, in one chunked pass.
+
+Pure torch, no TRL import. The ``full`` entropy-flow estimate (SPEC.md section 1) needs, per position,
+H, sum_k pi_k^2 and sum_k pi_k^2 log pi_k. Materialising [tokens, vocab] logits for a 151,936-token vocabulary
+is what blew up memory in early entropy logging, so the logits are produced in [token_chunk, vocab_chunk]
+tiles and folded into running sums with an online max, never more than one tile at a time:
+
+    m' = max(m, max_k z_k);  r = exp(m - m');  e_k = exp(z_k - m')
+    S   <- r   S               + sum e            (so Z = e^m S)
+    Sz  <- r  (Sz  + (m - m') S)  + sum e (z - m')     (sums of e (z - m), kept relative to the running max
+    S2  <- r^2 S2              + sum e^2               so that H is not a difference of two large numbers)
+    S2z <- r^2 (S2z + (m - m') S2) + sum e^2 (z - m')
+
+    log Z = m + log S;  H = log S - Sz / S;  sum pi^2 = S2 / S^2;  sum pi^2 log pi = (S2z - S2 log S) / S^2
+
+The logits are transformed exactly as TRL's fused head does: z = softcap(scale * (h W^T + b)) / temperature.
+
+Example:
+    >>> import torch
+    >>> h, W = torch.randn(5, 8), torch.randn(50, 8)
+    >>> stats = vocab_stats(h, W, vocab_chunk_size=7)
+    >>> p = torch.softmax(h @ W.T, -1)
+    >>> bool(torch.allclose(stats.sum_sq_probs, (p * p).sum(-1), atol=1e-6))
+    True
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class VocabStats(NamedTuple):
+    """Per-position statistics, each of shape hidden.shape[:-1], fp32."""
+
+    log_z: torch.Tensor
+    entropy: torch.Tensor
+    sum_sq_probs: torch.Tensor
+    sum_sq_probs_log_probs: torch.Tensor
+    target_logps: torch.Tensor | None
+
+
+def _transform_(z: torch.Tensor, logit_scale: float, softcap: float | None, temperature: float) -> torch.Tensor:
+    if logit_scale != 1.0:
+        z.mul_(logit_scale)
+    if softcap is not None:
+        z.div_(softcap).tanh_().mul_(softcap)
+    if temperature != 1.0:
+        z.div_(temperature)
+    return z
+
+
+@torch.no_grad()
+def vocab_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    targets: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    token_chunk_size: int = 512,
+    vocab_chunk_size: int = 16384,
+) -> VocabStats:
+    """Entropy, sum pi^2, sum pi^2 log pi (and optionally log pi of ``targets``) of softmax(z).
+
+    Args:
+        hidden: (..., H) final hidden states (any float dtype; the projection runs in that dtype, the sums in fp32).
+        weight: (V, H) LM-head weight; under DeepSpeed ZeRO-3 the caller gathers it first.
+        bias: optional (V,) LM-head bias.
+        targets: optional (...) token ids whose log-probabilities are returned as ``target_logps``.
+        temperature, logit_scale, softcap: the logit transform of the sampling policy.
+        token_chunk_size, vocab_chunk_size: tile shape; peak extra memory is a few tiles of fp32.
+    """
+    if token_chunk_size < 1 or vocab_chunk_size < 1:
+        raise ValueError("token_chunk_size and vocab_chunk_size must be positive.")
+    lead_shape = hidden.shape[:-1]
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    flat_targets = None if targets is None else targets.reshape(-1).to(flat.device)
+    num_tokens, vocab = flat.shape[0], weight.shape[0]
+    device = flat.device
+    out = {name: torch.empty(num_tokens, device=device) for name in ("log_z", "entropy", "s2", "s2l", "target")}
+
+    for t0 in range(0, num_tokens, token_chunk_size):
+        h = flat[t0 : t0 + token_chunk_size]
+        n = h.shape[0]
+        m = torch.full((n,), float("-inf"), device=device)
+        s, sz, s2, s2z = (torch.zeros(n, device=device) for _ in range(4))
+        target_z = torch.zeros(n, device=device)
+        for v0 in range(0, vocab, vocab_chunk_size):
+            w = weight[v0 : v0 + vocab_chunk_size]
+            z = (h @ w.to(h.dtype).T).float()
+            if bias is not None:
+                z += bias[v0 : v0 + vocab_chunk_size].float()
+            _transform_(z, logit_scale, softcap, temperature)
+            if flat_targets is not None:
+                local = flat_targets[t0 : t0 + n] - v0
+                inside = (local >= 0) & (local < z.shape[1])
+                picked = z.gather(1, local.clamp(0, z.shape[1] - 1).unsqueeze(1)).squeeze(1)
+                target_z = torch.where(inside, picked, target_z)
+            new_m = torch.maximum(m, z.amax(1))
+            shift = torch.where(torch.isfinite(m), m - new_m, torch.zeros_like(m))  # 0 on the first tile
+            r = shift.exp()
+            z.sub_(new_m.unsqueeze(1))  # z - m' in place: the tile is not needed unshifted any more
+            e = z.exp()
+            e_sum, e_z = e.sum(1), torch.linalg.vecdot(e, z)
+            e.square_()  # e^2 in place: one tile buffer serves both moments
+            e2_sum, e2_z = e.sum(1), torch.linalg.vecdot(e, z)
+            sz = r * (sz + shift * s) + e_z
+            s2z = r * r * (s2z + shift * s2) + e2_z
+            s = r * s + e_sum
+            s2 = r * r * s2 + e2_sum
+            m = new_m
+        log_s = s.log()
+        inv_s2 = s.reciprocal().square()
+        sl = slice(t0, t0 + n)
+        out["log_z"][sl] = m + log_s
+        out["entropy"][sl] = log_s - sz / s
+        out["s2"][sl] = s2 * inv_s2
+        out["s2l"][sl] = (s2z - s2 * log_s) * inv_s2
+        out["target"][sl] = target_z - (m + log_s)
+
+    def shaped(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(lead_shape)
+
+    return VocabStats(
+        log_z=shaped(out["log_z"]),
+        entropy=shaped(out["entropy"]),
+        sum_sq_probs=shaped(out["s2"]),
+        sum_sq_probs_log_probs=shaped(out["s2l"]),
+        target_logps=None if targets is None else shaped(out["target"]),
+    )
