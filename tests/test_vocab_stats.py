@@ -1,0 +1,58 @@
+import pytest
+import torch
+
+from opefo_trl.vocab_stats import vocab_stats
+
+
+def _reference(hidden, weight, bias, temperature, logit_scale=1.0, softcap=None):
+    z = (hidden.double() @ weight.double().T + (0 if bias is None else bias.double())) * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    logp = torch.log_softmax(z / temperature, -1)
+    p = logp.exp()
+    return logp, -(p * logp).sum(-1), (p * p).sum(-1), (p * p * logp).sum(-1)
+
+
+@pytest.mark.parametrize(
+    "vocab,token_chunk,vocab_chunk", [(151_936, 7, 10_007), (151_936, 64, 151_936), (1001, 3, 97), (50, 1, 1)]
+)
+def test_chunked_statistics_match_a_float64_full_softmax(vocab, token_chunk, vocab_chunk):
+    gen = torch.Generator().manual_seed(vocab)
+    hidden = torch.randn(2, 9, 32, generator=gen)
+    weight = torch.randn(vocab, 32, generator=gen) * 0.3
+    bias = torch.randn(vocab, generator=gen)
+    targets = torch.randint(0, vocab, (2, 9), generator=gen)
+    stats = vocab_stats(
+        hidden, weight, bias, targets=targets, temperature=0.8, token_chunk_size=token_chunk,
+        vocab_chunk_size=vocab_chunk,
+    )
+    logp, entropy, s2, s2l = _reference(hidden, weight, bias, 0.8)
+    assert stats.entropy.shape == (2, 9) and stats.entropy.dtype == torch.float32
+    torch.testing.assert_close(stats.entropy.double(), entropy, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(stats.sum_sq_probs.double(), s2, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(stats.sum_sq_probs_log_probs.double(), s2l, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(stats.target_logps.double(), logp.gather(-1, targets[..., None])[..., 0], rtol=1e-5, atol=1e-4)
+
+
+def test_peaked_distribution_keeps_precision():
+    """A near-deterministic policy (H ~ 1e-3) must not lose H to cancellation between log Z and E[z]."""
+    hidden = torch.tensor([[1.0, 0.0]])
+    weight = torch.cat([torch.tensor([[12.0, 0.0]]), torch.zeros(999, 2)])
+    stats = vocab_stats(hidden, weight, vocab_chunk_size=333)
+    _, entropy, s2, s2l = _reference(hidden, weight, None, 1.0)
+    torch.testing.assert_close(stats.entropy.double(), entropy, rtol=1e-4, atol=0)
+    torch.testing.assert_close(stats.sum_sq_probs_log_probs.double(), s2l, rtol=1e-4, atol=0)
+
+
+def test_logit_scale_and_softcap_follow_the_trainer_transform():
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(4, 8, generator=gen) * 3, torch.randn(300, 8, generator=gen)
+    stats = vocab_stats(hidden, weight, temperature=0.7, logit_scale=0.5, softcap=10.0, vocab_chunk_size=77)
+    _, entropy, s2, _ = _reference(hidden, weight, None, 0.7, logit_scale=0.5, softcap=10.0)
+    torch.testing.assert_close(stats.entropy.double(), entropy, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(stats.sum_sq_probs.double(), s2, rtol=1e-4, atol=1e-7)
+
+
+def test_bad_chunk_sizes_are_rejected():
+    with pytest.raises(ValueError, match="chunk_size"):
+        vocab_stats(torch.zeros(1, 2), torch.zeros(3, 2), vocab_chunk_size=0)
