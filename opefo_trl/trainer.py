@@ -67,6 +67,8 @@ def _as_opefo_config(args: GRPOConfig | None, model) -> OPEFOConfig:
     if not isinstance(args, GRPOConfig):
         raise TypeError(f"OPEFOTrainer expects an OPEFOConfig (or a GRPOConfig), got {type(args).__name__}.")
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(GRPOConfig) if f.init}
+    # GRPOConfig derives generation_batch_size from steps_per_generation and refuses both set: re-derive it.
+    values["generation_batch_size"] = None
     return OPEFOConfig(**values)
 
 

@@ -1,0 +1,64 @@
+import warnings
+
+import pytest
+
+from opefo_trl import OPEFOConfig
+
+
+def config(**overrides):
+    return OPEFOConfig(output_dir="unused", bf16=False, use_cpu=True, report_to="none", **overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (dict(method="opfeo"), r"Unknown method 'opfeo'\. Valid methods: .*opefo"),
+        (dict(entropy_flow_estimate="exact"), r"Unknown entropy_flow_estimate 'exact'; choose one of"),
+        (dict(opefo_lambda=1.5), r"opefo_lambda must lie in \[-1, 1\]"),
+        (dict(opefo_lambda=-1.01), r"opefo_lambda must lie in \[-1, 1\]"),
+        (dict(opefo_sides="up"), "Unknown opefo_sides"),
+        (dict(num_iterations=2), r"strictly on-policy.*num_iterations=2.*allow_off_policy=True"),
+        (
+            dict(gradient_accumulation_steps=2, steps_per_generation=4),
+            r"steps_per_generation=4 != gradient_accumulation_steps=2.*allow_off_policy=True",
+        ),
+        (dict(use_liger_kernel=True), "use_liger_kernel=True is not supported"),
+        (dict(method="par", par_coef=2.0), r"par_coef must lie in \[0, 1\]"),
+        (dict(method="clip_cov", clip_cov_ratio=0.0), "clip_cov_ratio"),
+        (dict(method="clip_cov", clip_cov_lb=5.0, clip_cov_ub=1.0), "clip_cov_lb must be < clip_cov_ub"),
+        (dict(method="kl_cov", kl_cov_ratio=-0.1), "kl_cov_ratio"),
+        (dict(vocab_stats_vocab_chunk_size=0), "vocab_stats_"),
+    ],
+)
+def test_bad_settings_fail_at_configuration_time(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        config(**overrides)
+
+
+def test_off_policy_opt_in_and_off_policy_baselines():
+    assert config(num_iterations=2, allow_off_policy=True).num_iterations == 2
+    # Off-policy is the normal setting of the 8-update baselines: no opt-in needed.
+    grpo8 = config(method="grpo", gradient_accumulation_steps=1, steps_per_generation=8)
+    assert grpo8.steps_per_generation == 8
+    assert config(method="clip_cov", num_iterations=2).num_iterations == 2
+
+
+def test_kl_cov_warns_that_it_is_inert_on_policy():
+    from opefo_trl.methods import KLCov
+
+    with pytest.warns(UserWarning, match="inert"):
+        KLCov.from_args(config(method="kl_cov"))
+    eight_updates = config(method="kl_cov", gradient_accumulation_steps=1, steps_per_generation=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        KLCov.from_args(eight_updates)
+
+
+def test_every_field_has_help_text():
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    new = [f for f in dataclasses.fields(OPEFOConfig) if f.name not in {g.name for g in dataclasses.fields(GRPOConfig)}]
+    assert {f.name for f in new} >= {"method", "entropy_flow_estimate", "opefo_lambda", "opefo_sides", "allow_off_policy"}
+    assert all(f.metadata.get("help") for f in new)
