@@ -179,8 +179,10 @@ class OPEFOTrainer(GRPOTrainer):
     ):
         # The first scoring call of a rollout on the policy itself is TRL's old-log-prob pass (the reference pass,
         # when there is one, comes after it): take its statistics instead of running a pass of our own.
-        capture = self._rollout_capture is not None and "logps" not in self._rollout_capture and model is self.model
-        in_loss = self._loss_inputs is not None and model is self.model
+        capture = (
+            self._rollout_capture is not None and "logps" not in self._rollout_capture and model is not self.ref_model
+        )
+        in_loss = self._loss_inputs is not None  # the loss scores only the policy (possibly DDP/DeepSpeed-wrapped)
         with self._capture_hidden_states(
             (capture and self._needs_vocab_stats(False)) or (in_loss and self._needs_vocab_stats(True))
         ) as hidden_chunks:
@@ -271,6 +273,11 @@ class OPEFOTrainer(GRPOTrainer):
             loss = super()._compute_loss(model, inputs)
         finally:
             self._loss_inputs = None
+        if self._weights_deferred and training:
+            raise RuntimeError(
+                "OPEFOTrainer: the rollout weights were deferred to the training forward but never applied; the loss "
+                "did not score completions through _get_per_token_logps_and_entropies (unsupported TRL code path)."
+            )
         if self._extra_loss is not None:
             loss = loss + self._aggregate_like_policy_loss(self._extra_loss, self._loss_mask(inputs), inputs)
             self._extra_loss = None
