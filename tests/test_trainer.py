@@ -221,3 +221,39 @@ def test_a_grpo_config_is_accepted_as_a_drop_in(tiny_model_path, tiny_dataset, t
     assert trainer.args.max_completion_length == 8
     trainer.train()
     assert logged(trainer, "entropy_flow/lambda")
+
+
+def _scoring_passes(trainer_class, args, tiny_model_path, tiny_dataset):
+    """Backbone forwards other than single-token decoding (prefill + scoring), over the whole run."""
+    trainer = trainer_class(model=tiny_model_path, reward_funcs=length_reward, args=args, train_dataset=tiny_dataset)
+    count = [0]
+
+    def pre_hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        count[0] += int(ids is None or ids.shape[-1] > 1)
+
+    trainer.accelerator.unwrap_model(trainer.model).base_model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    trainer.train()
+    return count[0]
+
+
+@pytest.mark.parametrize(
+    "overrides,extra_calls",
+    [
+        (dict(), 0),  # one micro-batch: the training forward gives the statistics
+        (dict(num_iterations=2, allow_off_policy=True), 0),  # TRL's old-log-prob pass is reused
+        # one no-grad pass over the rollout batch, in micro-batch-sized chunks (2 backbone calls)
+        (dict(gradient_accumulation_steps=2, per_device_train_batch_size=4), 2),
+    ],
+    ids=["single_micro_batch", "trl_scoring_pass_reused", "accumulation"],
+)
+def test_opefo_adds_a_forward_pass_only_when_trl_has_none_to_share(
+    tiny_model_path, tiny_dataset, tmp_path, overrides, extra_calls
+):
+    from trl import GRPOConfig, GRPOTrainer
+
+    settings = base_settings(tmp_path, **{k: v for k, v in overrides.items() if k != "allow_off_policy"})
+    grpo = _scoring_passes(GRPOTrainer, GRPOConfig(**settings), tiny_model_path, tiny_dataset)
+    opefo = _scoring_passes(OPEFOTrainer, make_config(tmp_path, **overrides), tiny_model_path, tiny_dataset)
+    rollouts = 2 if overrides.get("num_iterations") is None else 1  # max_steps=2
+    assert opefo - grpo == extra_calls * rollouts
