@@ -208,17 +208,29 @@ class OPEFOTrainer(GRPOTrainer):
     # Hook 1: once per rollout batch
     # ----------------------------------------------------------------------------------------------------------------
 
+    def _trl_scores_rollout(self) -> bool:
+        """Whether GRPOTrainer (1.16) runs its no-grad old-log-prob pass over the rollout (mirrors its condition)."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        vllm_correction = self.use_vllm and self.vllm_importance_sampling_correction
+        return self.args.gradient_accumulation_steps % generate_every != 0 or vllm_correction
+
     def _generate_and_score_completions(self, inputs):
-        wanted = self.model.training and self.token_method.needs_rollout_pass
-        self._rollout_capture = {} if wanted else None
+        if not (self.model.training and self.token_method.needs_rollout_pass):
+            return super()._generate_and_score_completions(inputs)
+        # Capture only TRL's old-log-prob pass: otherwise the first scoring call may be the reference pass (PEFT).
+        self._rollout_capture = {} if self._trl_scores_rollout() else None
         try:
             output = super()._generate_and_score_completions(inputs)
-            capture = self._rollout_capture
+            capture = self._rollout_capture or {}
         finally:
             self._rollout_capture = None
+        old_logps = output.get("old_per_token_logps")
+        if "logps" in capture and (old_logps is None or not torch.equal(capture["logps"], old_logps)):
+            raise RuntimeError(
+                "OPEFOTrainer captured a scoring pass that is not TRL's old-log-prob pass; this TRL version's "
+                "_generate_and_score_completions differs from the supported one."
+            )
         self._weights_deferred = False
-        if not wanted:
-            return output
         if "logps" not in capture:
             if self.args.steps_per_generation == 1:
                 # The rollout batch is one micro-batch scored by the training forward with the same parameters:

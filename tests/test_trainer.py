@@ -87,13 +87,21 @@ def test_opefo_trains_in_grpo_configurations_and_logs_flow_metrics(tiny_model_pa
         assert len(logged(trainer, "kl")) == 2
 
 
-def test_opefo_trains_with_lora(tiny_model_path, tiny_dataset, tmp_path):
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(entropy_flow_estimate="full", gradient_accumulation_steps=2, per_device_train_batch_size=4),
+        dict(beta=0.1, num_iterations=2, allow_off_policy=True),  # reference = adapter disabled, after TRL's pass
+    ],
+    ids=["full_estimate", "beta_off_policy"],
+)
+def test_opefo_trains_with_lora(tiny_model_path, tiny_dataset, tmp_path, overrides):
     from peft import LoraConfig
 
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    args = make_config(tmp_path, entropy_flow_estimate="full", gradient_accumulation_steps=2, per_device_train_batch_size=4)
+    args = make_config(tmp_path, **overrides)
     trainer = train(tiny_model_path, tiny_dataset, args, peft_config=peft_config)
-    assert len(logged(trainer, "entropy_flow/lambda")) == 2
+    assert len(logged(trainer, "entropy_flow/lambda")) == (1 if "num_iterations" in overrides else 2)
     trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora" in n for n in trainable)
 
