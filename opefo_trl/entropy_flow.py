@@ -43,6 +43,11 @@ def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     advantages = advantages.to(torch.float32)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
+    if like.dim() != 2 or advantages.dim() != 2 or advantages.shape[0] != like.shape[0]:
+        raise ValueError(
+            f"Expected per-token tensors of shape (B, T) and advantages of shape (B,), (B, 1) or (B, T); got "
+            f"{tuple(like.shape)} and {tuple(advantages.shape)}."
+        )
     return advantages.expand_as(like)
 
 

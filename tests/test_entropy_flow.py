@@ -151,6 +151,8 @@ def test_unknown_estimate_and_missing_vocab_stats_are_clear_errors():
     with pytest.raises(ValueError, match="full.*sum_sq_probs"):
         entropy_flow(x, x, torch.ones(1), "full")
     assert set(FLOW_ESTIMATES) == {"opefo", "onaction", "sign", "full"}
+    with pytest.raises(ValueError, match=r"shape \(B, T\)"):
+        entropy_flow(torch.zeros(3), torch.zeros(3), torch.ones(3))
 
 
 def test_lambda_star_is_zero_without_flow():
