@@ -1,0 +1,532 @@
+"""`opefo-train`: train a math reasoner with OPEFO or one of the baselines of the paper's comparison.
+
+Options come from a recipe YAML (`--config recipe.yaml`) and the command line, which overrides the recipe. They
+are the fields of three dataclasses, all listed by `--help`:
+
+- `TrainScriptArguments` (this module): data set, prompt template, reward functions, context-length check, metrics
+  file;
+- `trl.ModelConfig`: model path or hub id, dtype, attention implementation, LoRA / quantisation;
+- `opefo_trl.OPEFOConfig`: every `GRPOConfig` / `TrainingArguments` option plus `method` and its settings.
+
+A misspelt or unknown key, in the recipe or on the command line, is an error that names it (TRL's own scripts
+ignore unknown recipe keys). Everything that can be checked without the model's weights is checked before they are
+loaded: the options, the data files and columns, the reward functions, the checkpoint to resume from, and that every
+prompt plus `max_completion_length` fits the model's context.
+
+Examples:
+    opefo-train --config recipes/qwen2.5-math-7b/opefo.yaml
+    accelerate launch --config_file recipes/accelerate/zero3.yaml -m opefo_trl.cli.train \\
+        --config recipes/qwen2.5-math-7b/opefo.yaml --output_dir runs/opefo-7b
+    opefo-train --config recipes/qwen2.5-math-7b/opefo.yaml --resume_from_checkpoint true   # last checkpoint
+
+    >>> from opefo_trl.cli.train import main
+    >>> main(["--config", "recipes/qwen2.5-math-7b/opefo.yaml", "--max_steps", "10"])  # doctest: +SKIP
+"""
+
+import difflib
+import importlib
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+logger = logging.getLogger("opefo_trl.cli.train")  # not __name__: "__main__" under `python -m`
+
+DEFAULT_REWARD = "math_accuracy_reward"
+METRICS_FILE = "metrics.jsonl"
+METRICS_FILE_PER_RANK = "metrics.rank{rank}.jsonl"
+CONFIG_FLAG = "--config"
+RESERVED_RECIPE_KEYS = ("env",)  # handled by TrlParser: environment variables set before parsing
+
+
+@dataclass
+class TrainScriptArguments:
+    """Data, prompt, reward and logging options of `opefo-train` (model options: `trl.ModelConfig`; training
+    options: `opefo_trl.OPEFOConfig`).
+
+    Example:
+        >>> TrainScriptArguments(dataset_name="gsm8k", prompt_template="qwen_math_boxed").reward_funcs
+        ['math_accuracy_reward']
+    """
+
+    dataset_name: str = field(
+        default="dapo-math-17k",
+        metadata={
+            "help": "Training data: a preset (dapo-math-17k, dapo-math-17k-raw, math-lighteval, gsm8k), 'local' "
+            "(read `dataset_files`), or any hub id / local data set directory (then set problem_column and "
+            "answer_column)."
+        },
+    )
+    dataset_config: str | None = field(
+        default=None,
+        metadata={"help": "Hub configuration of the data set; default: the preset's (e.g. 'en', 'main')."},
+    )
+    dataset_split: str = field(default="train", metadata={"help": "Split to train on."})
+    dataset_files: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Local JSON / JSONL / Parquet / CSV files read instead of downloading `dataset_name`; with a "
+            "preset they must have the preset's columns (offline runs, local copies)."
+        },
+    )
+    problem_column: str | None = field(
+        default=None,
+        metadata={
+            "help": "Column with the problem (text, or a chat whose last user turn is the problem); default: the "
+            "preset's. Required for non-preset data."
+        },
+    )
+    answer_column: str | None = field(
+        default=None,
+        metadata={
+            "help": "Column with the gold answer; dotted names address struct fields (reward_model.ground_truth); "
+            "default: the preset's. Required for non-preset data."
+        },
+    )
+    answer_format: str | None = field(
+        default=None,
+        metadata={
+            "help": "How the answer column stores the gold answer: 'plain', 'boxed' (last \\boxed{} of a "
+            "solution) or 'gsm8k' (after '####'); default: the preset's, else 'plain'."
+        },
+    )
+    deduplicate: bool | None = field(
+        default=None,
+        metadata={"help": "Keep one row per distinct problem; default: the preset's (on for dapo-math-17k-raw)."},
+    )
+    max_train_samples: int | None = field(
+        default=None, metadata={"help": "Train on the first N problems only (after deduplication)."}
+    )
+    prompt_template: str = field(
+        default="qwen_math_boxed",
+        metadata={"help": "Prompt template of opefo_trl.templates: 'qwen_math_boxed', 'dapo' or 'plain'."},
+    )
+    reward_funcs: list[str] = field(
+        default_factory=lambda: [DEFAULT_REWARD],
+        metadata={
+            "help": "Reward functions: 'math_accuracy_reward' (math-verify against the `solution` column) or "
+            "dotted import paths ('my_pkg.rewards.my_reward'). Weights: `reward_weights`."
+        },
+    )
+    context_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "The model's context in tokens, which prompt + max_completion_length must fit; default: the "
+            "model config's max_position_embeddings (4096 for Qwen2.5-Math-7B)."
+        },
+    )
+    drop_overlong_prompts: bool = field(
+        default=False,
+        metadata={
+            "help": "Drop prompts too long for context_length - max_completion_length (with a warning) instead "
+            "of stopping with an error."
+        },
+    )
+    metrics_jsonl: Literal["main_process", "every_process", "off"] = field(
+        default="main_process",
+        metadata={
+            "help": "Append every logged metrics dict as a JSON line to <output_dir>/metrics.jsonl (main_process), "
+            "to <output_dir>/metrics.rank<N>.jsonl on every process (every_process: shows that distributed "
+            "statistics such as entropy_flow/lambda agree across ranks), or nowhere (off). Independent of "
+            "report_to."
+        },
+    )
+
+    def __post_init__(self):
+        # A recipe may give a single value where a list is expected (`reward_funcs: math_accuracy_reward`).
+        if isinstance(self.reward_funcs, str):
+            self.reward_funcs = [self.reward_funcs]
+        if isinstance(self.dataset_files, str):
+            self.dataset_files = [self.dataset_files]
+        choices = ("main_process", "every_process", "off")
+        if self.metrics_jsonl not in choices:
+            raise ValueError(f"metrics_jsonl must be one of {choices}, got {self.metrics_jsonl!r}.")
+        if self.max_train_samples is not None and self.max_train_samples < 1:
+            raise ValueError(f"max_train_samples must be at least 1, got {self.max_train_samples}.")
+        if self.context_length is not None and self.context_length < 2:
+            raise ValueError(f"context_length must be a positive number of tokens, got {self.context_length}.")
+        if not self.reward_funcs:
+            raise ValueError(f"reward_funcs is empty: give at least one, e.g. {DEFAULT_REWARD!r}.")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Parsing and validation (no model weights touched)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def make_parser():
+    """The `TrlParser` over (`TrainScriptArguments`, `OPEFOConfig`, `ModelConfig`); abbreviations are not accepted."""
+    from trl import ModelConfig, TrlParser
+
+    from opefo_trl.config import OPEFOConfig
+
+    parser = TrlParser(
+        (TrainScriptArguments, OPEFOConfig, ModelConfig),
+        prog="opefo-train",
+        description=(
+            "Train a math reasoner with OPEFO or a baseline (method: opefo, grpo, par, clip_cov, kl_cov). "
+            "Options come from a recipe YAML given with `--config recipe.yaml` (keys are the option names below, "
+            "plus an optional `env:` mapping of environment variables) and from the command line, which overrides "
+            "the recipe. Unknown keys are errors."
+        ),
+        epilog="Recipes for the OPEFO paper's comparison: recipes/README.md.",
+        allow_abbrev=False,
+    )
+    # Listed for --help only: TrlParser takes `--config PATH` out of the arguments before parsing.
+    parser.add_argument(
+        CONFIG_FLAG,
+        metavar="RECIPE_YAML",
+        help="Recipe YAML whose keys set the options below (command-line options override them).",
+    )
+    return parser
+
+
+def _known_options(parser) -> set[str]:
+    return {action.dest for action in parser._actions if action.dest not in ("help", "config")}
+
+
+def _unknown_key_error(kind: str, unknown: Sequence[str], known: set[str], where: str) -> ValueError:
+    lines = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.6)
+        hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+        lines.append(f"{key!r}{hint}")
+    return ValueError(
+        f"Unknown {kind} {where}: {'; '.join(lines)}. `opefo-train --help` lists every option; remove or fix "
+        f"{'it' if len(unknown) == 1 else 'them'}."
+    )
+
+
+def _split_config_flag(argv: list[str]) -> tuple[str | None, list[str]]:
+    """Take `--config PATH` (or `--config=PATH`) out of argv; check that the recipe exists."""
+    config_path, rest, i = None, [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == CONFIG_FLAG or arg.startswith(CONFIG_FLAG + "="):
+            if config_path is not None:
+                raise ValueError("`--config` was given twice; pass one recipe file.")
+            if arg == CONFIG_FLAG:
+                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                    raise ValueError("`--config` needs the path of a recipe YAML file, e.g. `--config recipe.yaml`.")
+                config_path = argv[i + 1]
+                i += 2
+            else:
+                config_path = arg.split("=", 1)[1]
+                i += 1
+            continue
+        rest.append(arg)
+        i += 1
+    if config_path is not None and not os.path.isfile(config_path):
+        raise FileNotFoundError(
+            f"Recipe file {config_path!r} does not exist (working directory: {os.getcwd()}). Recipes for the paper's "
+            "comparison are under recipes/ in the opefo-trl repository."
+        )
+    return config_path, rest
+
+
+def read_recipe(config_path: str, known: set[str]) -> dict:
+    """Load a recipe YAML and check that it is a mapping whose keys are all options (or `env`)."""
+    import yaml
+
+    with open(config_path) as f:
+        try:
+            recipe = yaml.safe_load(f)
+        except yaml.YAMLError as err:
+            raise ValueError(f"Recipe file {config_path!r} is not valid YAML: {err}") from err
+    if recipe is None:
+        return {}
+    if not isinstance(recipe, dict):
+        raise ValueError(
+            f"Recipe file {config_path!r} must be a YAML mapping of option: value, got {type(recipe).__name__}."
+        )
+    unknown = [key for key in recipe if key not in known and key not in RESERVED_RECIPE_KEYS]
+    if unknown:
+        raise _unknown_key_error("key(s)", unknown, known, f"in recipe {config_path!r}")
+    if "env" in recipe and not isinstance(recipe["env"], dict):
+        raise ValueError(f"`env` in recipe {config_path!r} must be a mapping of environment variable: value.")
+    return recipe
+
+
+def _normalise_resume(value):
+    """`resume_from_checkpoint`: a path, True (last checkpoint in output_dir) or None; 'true'/'false' accepted."""
+    if isinstance(value, str):
+        lowered = value.strip().lower()
+        if lowered in ("true", "yes", "1", "last"):
+            return True
+        if lowered in ("false", "no", "0", "none", "null", ""):
+            return None
+    if value is False:
+        return None
+    return value
+
+
+def parse_args(argv: Sequence[str] | None = None):
+    """Parse a recipe plus command-line overrides into (script_args, training_args, model_args) and validate them.
+
+    Raises ValueError / FileNotFoundError with the offending key, file or value; loads no model weights.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = make_parser()
+    known = _known_options(parser)
+    config_path, cli_args = _split_config_flag(argv)
+    # Unknown flags first: the dataclasses' own checks (run while parsing) would otherwise report something else.
+    flags = parser._option_string_actions
+    unknown = [arg.split("=", 1)[0] for arg in cli_args if arg.startswith("--") and arg.split("=", 1)[0] not in flags]
+    if unknown:
+        raise _unknown_key_error("option(s)", [flag[2:] for flag in unknown], known, "on the command line")
+    if config_path is not None:
+        read_recipe(config_path, known)
+        cli_args = [CONFIG_FLAG, config_path, *cli_args]
+    # The extra namespace holds the help-only `config` entry.
+    script_args, training_args, model_args, _config, remaining = parser.parse_args_and_config(
+        cli_args, return_remaining_strings=True, separate_remaining_strings=False
+    )
+    if remaining:
+        unknown = [arg.split("=", 1)[0].lstrip("-") for arg in remaining if arg.startswith("-")]
+        if unknown:
+            raise _unknown_key_error("option(s)", unknown, known, "on the command line")
+        raise ValueError(
+            f"Unexpected value(s) on the command line: {remaining}. Options take the form `--name value`; a list "
+            "option takes its values after one flag (`--reward_funcs a b`)."
+        )
+    training_args.resume_from_checkpoint = _normalise_resume(training_args.resume_from_checkpoint)
+    validate_args(script_args, training_args, model_args)
+    return script_args, training_args, model_args
+
+
+def resolve_reward_funcs(names: Sequence[str]) -> list[Callable]:
+    """Reward functions by name ('math_accuracy_reward') or dotted import path; raises naming the one that fails."""
+    funcs = []
+    for name in names:
+        if name == DEFAULT_REWARD:
+            from opefo_trl.rewards import math_accuracy_reward
+
+            funcs.append(math_accuracy_reward)
+            continue
+        module_name, _, attr = name.rpartition(".")
+        if not module_name:
+            raise ValueError(
+                f"Unknown reward function {name!r}: use {DEFAULT_REWARD!r} or a dotted import path such as "
+                "'my_pkg.rewards.my_reward'."
+            )
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            raise ValueError(f"Cannot import module {module_name!r} of reward function {name!r}: {err}") from err
+        func = getattr(module, attr, None)
+        if not callable(func):
+            raise ValueError(f"Module {module_name!r} has no callable {attr!r} (reward function {name!r}).")
+        funcs.append(func)
+    return funcs
+
+
+def validate_args(script_args, training_args, model_args) -> None:
+    """Cross-option checks that need no model weights (TRL / OPEFOConfig check their own fields on construction)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from opefo_trl.data import check_template, local_file_builder, resolve_dataset_source
+
+    if not model_args.model_name_or_path:
+        raise ValueError("model_name_or_path is not set: give a hub id or a local model directory.")
+    resolve_dataset_source(
+        script_args.dataset_name,
+        config=script_args.dataset_config,
+        problem_column=script_args.problem_column,
+        answer_column=script_args.answer_column,
+        answer_format=script_args.answer_format,
+        deduplicate=script_args.deduplicate,
+    )
+    if script_args.dataset_files:
+        local_file_builder(script_args.dataset_files)
+    elif script_args.dataset_name == "local":
+        raise ValueError("dataset_name 'local' needs dataset_files: the local JSON / JSONL / Parquet / CSV files.")
+    check_template(script_args.prompt_template)
+    resolve_reward_funcs(script_args.reward_funcs)
+    if training_args.reward_weights is not None and len(training_args.reward_weights) != len(script_args.reward_funcs):
+        raise ValueError(
+            f"reward_weights has {len(training_args.reward_weights)} entries but reward_funcs has "
+            f"{len(script_args.reward_funcs)} ({script_args.reward_funcs}); give one weight per reward function."
+        )
+    resume = training_args.resume_from_checkpoint
+    if resume is True:
+        last = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
+        if last is None:
+            raise ValueError(
+                f"resume_from_checkpoint=true but output_dir {training_args.output_dir!r} has no checkpoint-<step> "
+                "folder. Give the checkpoint's path, or drop resume_from_checkpoint to start afresh."
+            )
+    elif resume is not None and not os.path.isdir(resume):
+        raise FileNotFoundError(
+            f"resume_from_checkpoint {resume!r} is not a directory. Give a checkpoint-<step> folder, or `true` for "
+            f"the last checkpoint in output_dir ({training_args.output_dir!r})."
+        )
+    if model_args.use_peft:
+        try:
+            import peft  # noqa: F401
+        except ImportError as err:
+            raise ImportError("use_peft=true needs PEFT: `pip install 'opefo-trl[peft]'`.") from err
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _model_context_length(model_config) -> int | None:
+    for config in (model_config, getattr(model_config, "text_config", None)):
+        value = getattr(config, "max_position_embeddings", None) if config is not None else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def context_length_for(script_args, training_args, model_args) -> int:
+    """The context prompts must fit: `context_length`, else the model's max_position_embeddings (capped by vLLM's)."""
+    if script_args.context_length is not None:
+        context = script_args.context_length
+    else:
+        from transformers import AutoConfig
+
+        model_config = AutoConfig.from_pretrained(
+            model_args.model_name_or_path,
+            revision=model_args.model_revision,
+            trust_remote_code=training_args.trust_remote_code,
+        )
+        context = _model_context_length(model_config)
+        if context is None:
+            raise ValueError(
+                f"The config of {model_args.model_name_or_path!r} has no max_position_embeddings; set context_length "
+                "to the model's context in tokens."
+            )
+    if training_args.use_vllm and training_args.vllm_max_model_length is not None:
+        context = min(context, training_args.vllm_max_model_length)
+    return context
+
+
+def build_train_dataset(script_args, training_args, model_args, tokenizer):
+    """Load the data set, render its prompts and check them against the context; before any model weights load."""
+    from opefo_trl.data import check_prompt_lengths, load_math_dataset
+
+    dataset = load_math_dataset(
+        script_args.dataset_name,
+        template=script_args.prompt_template,
+        split=script_args.dataset_split,
+        config=script_args.dataset_config,
+        data_files=script_args.dataset_files,
+        problem_column=script_args.problem_column,
+        answer_column=script_args.answer_column,
+        answer_format=script_args.answer_format,
+        deduplicate=script_args.deduplicate,
+        max_samples=script_args.max_train_samples,
+    )
+    context = context_length_for(script_args, training_args, model_args)
+    dataset = check_prompt_lengths(
+        dataset,
+        tokenizer,
+        max_completion_length=training_args.max_completion_length,
+        max_position_embeddings=context,
+        drop_overlong=script_args.drop_overlong_prompts,
+        chat_template_kwargs=training_args.chat_template_kwargs,
+    )
+    logger.info(
+        "Training data: %d problems from %s (template %r); every prompt + %d completion tokens fits the context of %d.",
+        len(dataset),
+        script_args.dataset_name,
+        script_args.prompt_template,
+        training_args.max_completion_length,
+        context,
+    )
+    return dataset
+
+
+def metrics_jsonl_callback(mode: str, output_dir: str):
+    """A `TrainerCallback` that appends each logged metrics dict (with its step) as a JSON line; None when off."""
+    from transformers import TrainerCallback
+
+    if mode == "off":
+        return None
+
+    class MetricsJsonlCallback(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if mode == "main_process" and not state.is_world_process_zero:
+                return
+            name = METRICS_FILE if mode == "main_process" else METRICS_FILE_PER_RANK.format(rank=args.process_index)
+            os.makedirs(output_dir, exist_ok=True)
+            with open(os.path.join(output_dir, name), "a") as f:
+                f.write(json.dumps({"step": state.global_step, **(logs or {})}, default=float) + "\n")
+
+    return MetricsJsonlCallback()
+
+
+def train(script_args, training_args, model_args):
+    """Build the data, rewards and `OPEFOTrainer` from parsed options, train (resuming if asked), save; return it."""
+    import transformers
+    from packaging.version import Version
+    from transformers import AutoTokenizer
+    from trl import get_peft_config, get_quantization_config
+
+    from opefo_trl.trainer import OPEFOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_args.model_name_or_path,
+        revision=model_args.model_revision,
+        trust_remote_code=training_args.trust_remote_code,
+    )
+    train_dataset = build_train_dataset(script_args, training_args, model_args, tokenizer)
+    reward_funcs = resolve_reward_funcs(script_args.reward_funcs)
+
+    model_init_kwargs = dict(
+        revision=model_args.model_revision,
+        trust_remote_code=training_args.trust_remote_code,
+        attn_implementation=model_args.attn_implementation,
+        dtype=model_args.dtype,
+    )
+    model_init_kwargs.update(training_args.model_init_kwargs or {})
+    training_args.model_init_kwargs = model_init_kwargs
+    callback = metrics_jsonl_callback(script_args.metrics_jsonl, training_args.output_dir)
+
+    trainer = OPEFOTrainer(
+        model=model_args.model_name_or_path,
+        reward_funcs=reward_funcs,
+        args=training_args,
+        train_dataset=train_dataset,
+        callbacks=[callback] if callback is not None else None,
+        quantization_config=get_quantization_config(model_args),
+        peft_config=get_peft_config(model_args),
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    if Version(transformers.__version__) >= Version("5.18.0"):
+        trainer.end()
+    return trainer
+
+
+def _show_package_logs() -> None:
+    """Print opefo_trl's INFO messages (data set size, dropped rows) without touching other libraries' logging."""
+    package_logger = logging.getLogger("opefo_trl")
+    if not package_logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(asctime)s] [opefo-train] %(message)s", "%H:%M:%S"))
+        package_logger.addHandler(handler)
+        # INFO on the main process only; warnings from every rank.
+        main_process = os.environ.get("RANK", "0") == "0"
+        package_logger.setLevel(logging.INFO if main_process else logging.WARNING)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console entry point of `opefo-train` (also `python -m opefo_trl.cli.train`)."""
+    _show_package_logs()
+    script_args, training_args, model_args = parse_args(argv)
+    train(script_args, training_args, model_args)
+
+
+if __name__ == "__main__":
+    main()

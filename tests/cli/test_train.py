@@ -1,0 +1,297 @@
+"""`opefo-train` end to end, in-process through `main(argv)`: parsing, validation before model loading, rewards,
+metrics file, checkpoint / resume with method state."""
+
+import json
+import os
+
+import pytest
+
+from opefo_trl.cli.train import main, parse_args
+from opefo_trl.trainer import METHOD_STATE_NAME
+
+RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "qwen2.5-math-7b", "opefo.yaml")
+PAR_RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "qwen2.5-math-7b", "par.yaml")
+
+REWARD_MODULE = '''
+SEEN_SOLUTIONS = []
+
+
+def digit_overlap_reward(completions, solution, **kwargs):
+    """Fraction of the gold answer's digits that occur in the completion: varied rewards from a random model."""
+    SEEN_SOLUTIONS.extend(solution)
+    rewards = []
+    for completion, gold in zip(completions, solution):
+        text = completion[-1]["content"]
+        rewards.append(sum(d in text for d in set(gold)) / len(set(gold)))
+    return rewards
+'''
+
+
+@pytest.fixture
+def problems_file(tmp_path):
+    path = tmp_path / "problems.jsonl"
+    with open(path, "w") as f:
+        for i in range(16):
+            a, b = i + 2, 3 * i + 1
+            f.write(json.dumps({"prompt": f"What is {a} + {b}?", "solution": str(a + b)}) + "\n")
+    return str(path)
+
+
+@pytest.fixture
+def reward_module(tmp_path, monkeypatch):
+    """A reward function importable by dotted path (`opefo_cli_test_rewards.digit_overlap_reward`)."""
+    (tmp_path / "opefo_cli_test_rewards.py").write_text(REWARD_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    module = importlib.import_module("opefo_cli_test_rewards")
+    yield module
+    import sys
+
+    sys.modules.pop("opefo_cli_test_rewards", None)
+
+
+def _cpu_overrides(model_path, data_file, output_dir, **extra):
+    """Recipe overrides for a CPU run on the tiny model: no vLLM / bf16, 4 prompts x 2 completions per step."""
+    args = {
+        "model_name_or_path": model_path,
+        "dataset_files": data_file,
+        "output_dir": output_dir,
+        "use_vllm": "false",
+        "bf16": "false",
+        "use_cpu": "true",
+        "num_generations": "2",
+        "per_device_train_batch_size": "4",
+        "gradient_accumulation_steps": "2",
+        "max_completion_length": "8",
+        "max_steps": "1",
+        **{k: str(v) for k, v in extra.items()},
+    }
+    argv = []
+    for key, value in args.items():
+        argv += [f"--{key}", *value.split(" ")]
+    return argv
+
+
+def _metrics(output_dir, name="metrics.jsonl"):
+    with open(os.path.join(output_dir, name)) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Fail the test if the trainer (which loads the model weights) is ever constructed."""
+    import opefo_trl.trainer
+
+    class ModelLoadingReached(AssertionError):
+        pass
+
+    def refuse(*args, **kwargs):
+        raise ModelLoadingReached("the model was about to be loaded before the error was raised")
+
+    monkeypatch.setattr(opefo_trl.trainer, "OPEFOTrainer", refuse)
+    return ModelLoadingReached
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Parsing
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_help_lists_every_option_group(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--dataset_name", "--prompt_template", "--reward_funcs", "--drop_overlong_prompts",  # script
+                   "--model_name_or_path", "--use_peft", "--lora_r",  # ModelConfig
+                   "--method", "--opefo_lambda", "--par_coef", "--kl_cov_ratio",  # OPEFOConfig
+                   "--num_generations", "--steps_per_generation", "--resume_from_checkpoint"):  # GRPOConfig
+        assert option in out, option
+    assert "--config RECIPE_YAML" in out
+
+
+def test_recipe_values_and_cli_overrides(tiny_model_path):
+    script_args, training_args, model_args = parse_args(
+        ["--config", RECIPE, "--use_cpu", "true", "--learning_rate", "5e-6", "--model_name_or_path", tiny_model_path]
+    )
+    assert training_args.method == "opefo"
+    assert training_args.learning_rate == 5e-6  # CLI beats recipe (2.83e-6)
+    assert training_args.max_completion_length == 3000  # from the recipe
+    assert model_args.model_name_or_path == tiny_model_path
+    assert script_args.dataset_name == "dapo-math-17k" and script_args.reward_funcs == ["math_accuracy_reward"]
+
+
+def test_unknown_recipe_key_is_an_error_naming_it(tmp_path):
+    recipe = tmp_path / "typo.yaml"
+    recipe.write_text(open(RECIPE).read() + "\nlearning_rat: 1.0e-6\nnum_generation: 4\n")
+    with pytest.raises(ValueError) as err:
+        parse_args(["--config", str(recipe), "--use_cpu", "true"])
+    message = str(err.value)
+    assert "'learning_rat' (did you mean 'learning_rate'" in message
+    assert "'num_generation' (did you mean 'num_generations'" in message
+    assert str(recipe) in message
+
+
+def test_unknown_cli_option_is_an_error_not_an_abbreviation():
+    # argparse would silently expand `--num_generation` to `--num_generations`; opefo-train refuses prefixes.
+    with pytest.raises(ValueError, match=r"Unknown option\(s\) on the command line: 'num_generation' \(did you mean"):
+        parse_args(["--config", RECIPE, "--use_cpu", "true", "--num_generation", "4"])
+
+
+def test_misspelt_choice_in_recipe_is_an_error(tmp_path):
+    recipe = tmp_path / "bad_method.yaml"
+    recipe.write_text(open(RECIPE).read().replace("method: opefo", "method: opfeo"))
+    with pytest.raises(ValueError, match="opfeo"):
+        parse_args(["--config", str(recipe), "--use_cpu", "true"])
+    recipe.write_text(open(RECIPE).read().replace("metrics_jsonl: main_process", "metrics_jsonl: everywhere"))
+    with pytest.raises(ValueError, match=r"metrics_jsonl must be one of .*'everywhere'"):
+        parse_args(["--config", str(recipe), "--use_cpu", "true"])
+
+
+def test_nonexistent_recipe_is_a_clear_error(no_model_loading):
+    with pytest.raises(FileNotFoundError, match=r"Recipe file 'recipes/no-such-model/opefo.yaml' does not exist"):
+        main(["--config", "recipes/no-such-model/opefo.yaml"])
+    with pytest.raises(ValueError, match="`--config` needs the path"):
+        main(["--config"])
+
+
+@pytest.mark.parametrize("value, expected", [("true", True), ("false", None), ("checkpoint", "path")])
+def test_resume_from_checkpoint_in_recipe(value, expected, tmp_path):
+    out = tmp_path / "run"
+    (out / "checkpoint-7").mkdir(parents=True)
+    recipe = tmp_path / "resume.yaml"
+    setting = str(out / "checkpoint-7") if value == "checkpoint" else value
+    recipe.write_text(open(RECIPE).read() + f"\nresume_from_checkpoint: {setting}\n")
+    _, training_args, _ = parse_args(["--config", str(recipe), "--use_cpu", "true", "--output_dir", str(out)])
+    assert training_args.resume_from_checkpoint == (setting if expected == "path" else expected)
+
+
+def test_single_value_for_a_list_option_in_recipe(tmp_path, problems_file):
+    recipe = tmp_path / "single.yaml"
+    text = open(RECIPE).read().replace("reward_funcs: [math_accuracy_reward]", "reward_funcs: math_accuracy_reward")
+    recipe.write_text(text + f"\ndataset_files: {problems_file}\n")
+    script_args, _, _ = parse_args(["--config", str(recipe), "--use_cpu", "true"])
+    assert script_args.dataset_files == [problems_file] and script_args.reward_funcs == ["math_accuracy_reward"]
+
+
+def test_non_mapping_recipe_is_a_clear_error(tmp_path):
+    recipe = tmp_path / "list.yaml"
+    recipe.write_text("- method: opefo\n")
+    with pytest.raises(ValueError, match="must be a YAML mapping"):
+        parse_args(["--config", str(recipe)])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Validation before model loading
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_missing_dataset_column_fails_before_model_loading(tiny_model_path, tmp_path, no_model_loading):
+    data_file = tmp_path / "q.jsonl"
+    data_file.write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, str(data_file), str(tmp_path / "out"))]
+    with pytest.raises(ValueError) as err:
+        main(argv)
+    message = str(err.value)
+    assert "problem column 'prompt' is missing" in message and "Available columns: question, answer" in message
+    # Naming the right columns fixes it (and reaches model loading, which the fixture refuses).
+    with pytest.raises(no_model_loading):
+        main(argv + ["--dataset_name", "local", "--problem_column", "question", "--answer_column", "answer"])
+
+
+def test_prompt_longer_than_context_fails_before_model_loading(
+    tiny_model_path, problems_file, tmp_path, no_model_loading
+):
+    # The tiny model's max_position_embeddings is 1024: 1000 completion tokens leave too little room for any prompt.
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "out"))]
+    with pytest.raises(ValueError) as err:
+        main(argv + ["--max_completion_length", "1000"])
+    message = str(err.value)
+    assert "16 of 16 prompts are longer than 24 tokens" in message
+    assert "context of 1024 tokens (max_position_embeddings)" in message
+    # An explicit context length is honoured the same way.
+    with pytest.raises(ValueError, match=r"context of 30 tokens"):
+        main(argv + ["--context_length", "30"])
+
+
+@pytest.mark.parametrize(
+    "extra, error, message",
+    [
+        (["--reward_funcs", "accuracy"], ValueError, "Unknown reward function 'accuracy'"),
+        (["--reward_funcs", "no_such_module.reward"], ValueError, "Cannot import module 'no_such_module'"),
+        (["--reward_weights", "1.0", "2.0"], ValueError, "reward_weights has 2 entries but reward_funcs has 1"),
+        (["--prompt_template", "chatml"], ValueError, "Unknown prompt template 'chatml'"),
+        (["--dataset_files", "/no/data.jsonl"], FileNotFoundError, "Data file '/no/data.jsonl' does not exist"),
+        (["--resume_from_checkpoint", "true"], ValueError, "has no checkpoint-<step> folder"),
+        (["--resume_from_checkpoint", "/no/such/checkpoint-5"], FileNotFoundError, "is not a directory"),
+        (["--dataset_name", "my/hub-set"], ValueError, "set `problem_column` and `answer_column`"),
+    ],
+)
+def test_bad_options_fail_before_model_loading(extra, error, message, tiny_model_path, problems_file, tmp_path,
+                                               no_model_loading):
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "out")), *extra]
+    with pytest.raises(error, match=message):
+        main(argv)
+
+
+def test_missing_model_is_a_clear_error(problems_file, tmp_path):
+    with pytest.raises(ValueError, match="model_name_or_path is not set"):
+        parse_args(["--dataset_files", problems_file, "--use_cpu", "true", "--output_dir", str(tmp_path)])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Training through the entry point
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_trains_with_both_rewards_and_writes_metrics(tiny_model_path, problems_file, tmp_path, reward_module):
+    out = str(tmp_path / "out")
+    main(["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, out, max_steps=2),
+          "--reward_funcs", "math_accuracy_reward", "opefo_cli_test_rewards.digit_overlap_reward"])
+    steps = [m for m in _metrics(out) if "reward" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    gold = {str(i + 2 + 3 * i + 1) for i in range(16)}
+    # Each step scores 4 prompts x 2 completions (4 per micro-batch x 2 accumulation steps), and the reward saw the
+    # data set's gold answers, each once per completion of its prompt.
+    assert len(reward_module.SEEN_SOLUTIONS) == 2 * 8 and set(reward_module.SEEN_SOLUTIONS) <= gold
+    for m in steps:
+        assert m["rewards/math_accuracy_reward/failures"] == 0
+        assert 0.0 <= m["rewards/math_accuracy_reward/mean"] <= 1.0
+        assert 0.0 <= m["rewards/digit_overlap_reward/mean"] <= 1.0
+        total = m["rewards/math_accuracy_reward/mean"] + m["rewards/digit_overlap_reward/mean"]
+        assert m["reward"] == pytest.approx(total)
+        assert -1.0 < m["entropy_flow/lambda"] < 1.0
+    # The final model is saved where the recipe's output_dir (overridden) says.
+    for saved in ("model.safetensors", "tokenizer.json"):
+        assert os.path.isfile(os.path.join(out, saved)), saved
+
+
+def test_resume_restores_optimizer_and_method_state(tiny_model_path, problems_file, tmp_path, reward_module):
+    """PAR's controller coefficient changes every step; a resumed run must continue from the saved value."""
+    reward = ["--reward_funcs", "math_accuracy_reward", "opefo_cli_test_rewards.digit_overlap_reward"]
+    first = str(tmp_path / "first")
+    main(["--config", PAR_RECIPE, *_cpu_overrides(tiny_model_path, problems_file, first, max_steps=3, save_steps=1),
+          *reward])
+    original = {m["step"]: m for m in _metrics(first) if "par/coef" in m}
+    coefs = [original[s]["par/coef"] for s in (1, 2, 3)]
+    assert coefs[0] < coefs[1] < coefs[2]  # the controller moved (tiny model entropy >> target)
+    assert sorted(os.listdir(first)).count("checkpoint-2") == 1
+
+    # Resume from checkpoint-2 by path into a fresh output_dir: step 3 is replayed exactly.
+    resumed_dir = str(tmp_path / "resumed")
+    main(["--config", PAR_RECIPE, *_cpu_overrides(tiny_model_path, problems_file, resumed_dir, max_steps=3),
+          *reward, "--resume_from_checkpoint", os.path.join(first, "checkpoint-2")])
+    resumed = [m for m in _metrics(resumed_dir) if "par/coef" in m]
+    assert [m["step"] for m in resumed] == [3]
+    for key in ("par/coef", "entropy", "reward", "loss", "entropy_flow/net"):
+        assert resumed[0][key] == pytest.approx(original[3][key], rel=1e-5, abs=1e-8), key
+
+    # `--resume_from_checkpoint true` picks the last checkpoint of output_dir (checkpoint-3) and continues at step 4.
+    main(["--config", PAR_RECIPE, *_cpu_overrides(tiny_model_path, problems_file, first, max_steps=4, save_steps=1),
+          *reward, "--resume_from_checkpoint", "true"])
+    continued = [m for m in _metrics(first) if "par/coef" in m and m["step"] == 4]
+    assert len(continued) == 1
+    assert continued[0]["par/coef"] == pytest.approx(min(1.0, coefs[2] + (coefs[2] - coefs[1])))
+    with open(os.path.join(first, "checkpoint-4", METHOD_STATE_NAME)) as f:
+        assert json.load(f)["method"] == "par"

@@ -1,0 +1,174 @@
+"""The paper-comparison recipes under recipes/: they parse, encode the paper's settings, and train on CPU.
+
+Every recipe is parsed. The Qwen2.5-Math-7B set also trains 2 optimizer steps on the tiny model with only the
+model, data, vLLM, precision and size keys overridden (the rest of the recipe as written). The Qwen3-4B-Base set
+is parse-only: `test_4b_recipes_differ_from_7b_only_in_model_keys` shows it differs from the 7B set only in keys
+those runs override anyway.
+"""
+
+import json
+import math
+import os
+
+import pytest
+import yaml
+
+from opefo_trl.cli.train import main, parse_args
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "recipes")
+MODELS = {"qwen2.5-math-7b": 3000, "qwen3-4b-base": 8000}  # max completion tokens (SPEC.md section 2)
+METHODS = ["opefo", "grpo", "grpo_strict", "entropy_reg", "clip_higher", "clip_cov", "kl_cov", "par"]
+STRICT = {"opefo", "grpo_strict", "par"}  # one optimizer update per rollout batch
+TOKEN_METHOD = {"opefo": "opefo", "par": "par", "clip_cov": "clip_cov", "kl_cov": "kl_cov"}  # others: "grpo"
+ROLLOUT_COMPLETIONS = 32 * 8
+MODEL_KEYS = {"model_name_or_path", "max_completion_length", "vllm_max_model_length", "vllm_gpu_memory_utilization",
+              "output_dir"}
+
+
+def recipe_path(model, method):
+    return os.path.join(ROOT, model, f"{method}.yaml")
+
+
+def num_processes():
+    with open(os.path.join(ROOT, "accelerate", "zero3.yaml")) as f:
+        return yaml.safe_load(f)["num_processes"]
+
+
+ALL_RECIPES = [(model, method) for model in MODELS for method in METHODS]
+
+
+def test_recipe_set_is_complete():
+    found = sorted(
+        (model, name[: -len(".yaml")])
+        for model in os.listdir(ROOT)
+        if model in MODELS
+        for name in os.listdir(os.path.join(ROOT, model))
+        if name.endswith(".yaml")
+    )
+    assert found == sorted(ALL_RECIPES)
+
+
+@pytest.mark.parametrize("model, method", ALL_RECIPES)
+def test_recipe_parses_with_the_papers_settings(model, method):
+    # use_cpu: bf16 is refused on a machine without a bf16 GPU unless training is explicitly on the CPU.
+    script_args, args, model_args = parse_args(["--config", recipe_path(model, method), "--use_cpu", "true"])
+    gpus = num_processes()
+    assert gpus == 8
+
+    # 32 prompts x 8 responses per rollout batch on 8 GPUs.
+    assert args.num_generations == 8
+    assert args.per_device_train_batch_size * gpus * args.steps_per_generation == ROLLOUT_COMPLETIONS
+    completions_per_update = args.per_device_train_batch_size * gpus * args.gradient_accumulation_steps
+    if method in STRICT:
+        assert completions_per_update == ROLLOUT_COMPLETIONS
+        assert args.steps_per_generation == args.gradient_accumulation_steps
+        assert args.learning_rate == pytest.approx(2.83e-6)
+    else:
+        assert completions_per_update * 8 == ROLLOUT_COMPLETIONS
+        assert args.steps_per_generation == 8 * args.gradient_accumulation_steps
+        assert args.learning_rate == pytest.approx(1e-6)
+    assert args.num_iterations == 1
+
+    assert args.method == TOKEN_METHOD.get(method, "grpo")
+    assert args.max_completion_length == MODELS[model]
+    assert (args.temperature, args.beta, args.loss_type) == (1.0, 0.0, "dapo")
+    assert args.entropy_coef == (1e-3 if method == "entropy_reg" else 0.0)
+    assert args.epsilon_high == {"clip_higher": 0.28, "clip_cov": 1.0}.get(method)
+    assert args.use_vllm and args.vllm_mode == "colocate"
+    assert args.bf16 and args.logging_steps == 1 and args.num_train_epochs == 1 and args.save_steps > 0
+    assert args.optim.startswith("adamw") and args.entropy_flow_diagnostics
+    assert script_args.dataset_name == "dapo-math-17k" and script_args.reward_funcs == ["math_accuracy_reward"]
+    assert model_args.model_name_or_path == {"qwen2.5-math-7b": "Qwen/Qwen2.5-Math-7B",
+                                             "qwen3-4b-base": "Qwen/Qwen3-4B-Base"}[model]
+    if model == "qwen2.5-math-7b":  # context 4096 = up to 1096 prompt tokens + 3000 completion tokens
+        assert args.vllm_max_model_length == 4096
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_4b_recipes_differ_from_7b_only_in_model_keys(method):
+    with open(recipe_path("qwen2.5-math-7b", method)) as f:
+        small = yaml.safe_load(f)
+    with open(recipe_path("qwen3-4b-base", method)) as f:
+        large = yaml.safe_load(f)
+    assert small.keys() == large.keys()
+    assert {key for key in small if small[key] != large[key]} <= MODEL_KEYS
+
+
+def test_accelerate_configs():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    expected = {"zero3.yaml": ("DEEPSPEED", 3), "zero2.yaml": ("DEEPSPEED", 2), "ddp.yaml": ("MULTI_GPU", None)}
+    for name, (distributed_type, stage) in expected.items():
+        path = os.path.join(ROOT, "accelerate", name)
+        config = load_config_from_file(path)  # accelerate's own loader: rejects unknown keys
+        assert str(config.distributed_type).endswith(distributed_type)
+        assert config.mixed_precision == "bf16" and config.num_processes == 8
+        if stage is not None:
+            assert config.deepspeed_config["zero_stage"] == stage
+    assert load_config_from_file(os.path.join(ROOT, "accelerate", "zero3.yaml")).deepspeed_config["zero3_init_flag"]
+
+
+def test_readme_lists_every_recipe_and_launch_mode():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    for model, method in ALL_RECIPES:
+        assert f"{model}/{method}.yaml" in readme
+    for needle in ("vllm_mode: colocate", "trl vllm-serve", "--vllm_mode server", "accelerate/zero3.yaml",
+                   "--resume_from_checkpoint"):
+        assert needle in readme, needle
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Two optimizer steps per recipe on the tiny model
+# ----------------------------------------------------------------------------------------------------------------------
+
+METHOD_METRICS = {
+    "opefo": ["opefo/lambda_applied"],
+    "par": ["par/coef", "par/entropy"],
+    "clip_cov": ["clip_cov/dropped_frac"],
+    "kl_cov": ["kl_cov/penalised_frac"],
+    "entropy_reg": ["entropy_coef"],
+}
+FLOW_METRICS = ["entropy_flow/lambda", "entropy_flow/increase", "entropy_flow/decrease", "entropy_flow/net",
+                "entropy_flow/increase_token_frac", "entropy_flow/decrease_token_frac"]
+
+
+@pytest.fixture(scope="module")
+def problems_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "dapo_stand_in.jsonl"  # open-r1/DAPO-Math-17k-Processed's columns
+    with open(path, "w") as f:
+        for i in range(16):
+            f.write(json.dumps({"prompt": f"What is {i + 2} + {3 * i + 1}?", "solution": str(4 * i + 3)}) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_7b_recipe_trains_two_steps_on_cpu(method, tiny_model_path, problems_file, tmp_path):
+    recipe = recipe_path("qwen2.5-math-7b", method)
+    with open(recipe) as f:
+        written = yaml.safe_load(f)
+    out = str(tmp_path / method)
+    if written.get("steps_per_generation"):  # keep the recipe's 8 updates per rollout: 8 x 2 completions
+        ratio = written["steps_per_generation"] // written["gradient_accumulation_steps"]
+        sizes = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
+                 "--steps_per_generation", str(ratio)]
+    else:  # one update per rollout of 2 x 2 completions
+        sizes = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
+    main([
+        "--config", recipe,
+        "--model_name_or_path", tiny_model_path, "--dataset_files", problems_file, "--output_dir", out,
+        "--use_vllm", "false", "--bf16", "false", "--use_cpu", "true",
+        "--num_generations", "2", "--max_completion_length", "8", "--max_steps", "2", *sizes,
+    ])
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        steps = [m for m in map(json.loads, f) if "loss" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert math.isfinite(m["loss"]) and m["learning_rate"] == pytest.approx(written["learning_rate"])
+        for key in FLOW_METRICS + METHOD_METRICS.get(method, []):
+            assert key in m and math.isfinite(m[key]), key
+    # Rewards are logged when a rollout batch is generated: step 1 (8-update recipes reuse it for step 2).
+    assert 0.0 <= steps[0]["rewards/math_accuracy_reward/mean"] <= 1.0
+    if method == "entropy_reg":
+        assert steps[0]["entropy_coef"] == pytest.approx(written["entropy_coef"])
+    assert os.path.isfile(os.path.join(out, "model.safetensors"))
