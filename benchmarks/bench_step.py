@@ -5,7 +5,8 @@
 
 Each configuration is built from the same saved model and trained for `--steps` optimizer steps (the first is a
 warm-up and not timed); configurations are interleaved over `--repeats` rounds so drift hits all alike. Reported
-per configuration: median seconds per optimizer step (generation included, as a user experiences it), peak
+per configuration: median seconds per optimizer step (generation included, as a user experiences it), the same
+without the time spent sampling completions (TRL's `_generate`, identical code for every method), peak
 memory above the level at the start of the run (CUDA allocator peak on GPU; sampled malloc heap on CPU), the number
 of backbone passes per optimizer step other than single-token decoding (prefill + scoring), and each as a ratio to the GRPOTrainer run of the same batch layout.
 Then the `full` estimate's vocabulary pass is timed against a plain logsumexp over the same hidden states and head.
@@ -151,11 +152,24 @@ def run(model_path, dataset, trainer_class, extra, args_ns, accumulation, output
             generation_calls[0] += 1
 
     core.base_model.register_forward_pre_hook(count_generation, with_kwargs=True)
+    # Time inside TRL's sampling (`_generate`): the rest of a step is the part OPEFO can change.
+    sampling_times = []
+    generate = trainer._generate
+
+    def timed_generate(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            sampling_times.append(time.perf_counter() - start)
+
+    trainer._generate = timed_generate
     with PeakMemory() as memory:
         trainer.train()
     timed = timer.times[1:] or timer.times
+    sampling = sampling_times[1:] or sampling_times
     scoring_forwards = (forwards[0] - generation_calls[0]) / args_ns.steps
-    return statistics.median(timed), memory.bytes, scoring_forwards
+    return statistics.median(timed), memory.bytes, scoring_forwards, statistics.median(timed) - statistics.median(sampling)
 
 
 def bench_vocab_pass(hidden_size: int, vocab: int, tokens: int, repeats: int = 5):
@@ -192,10 +206,10 @@ def main(argv=None):
     parser.add_argument("--vocab-size", type=int, default=151_936)
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--completion-length", type=int, default=128)
-    parser.add_argument("--completions", type=int, default=16, help="completions per optimizer step (per device)")
-    parser.add_argument("--num-generations", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run (the first is not timed)")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--completions", type=int, default=8, help="completions per optimizer step (per device)")
+    parser.add_argument("--num-generations", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run (the first is not timed)")
+    parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--accumulation", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--vocab-pass-hidden-size", type=int, default=896, help="Qwen2.5-0.5B's hidden size")
     parser.add_argument("--vocab-pass-tokens", type=int, default=512)
@@ -216,6 +230,8 @@ def main(argv=None):
     for accumulation in args.accumulation:
         configs = configurations(accumulation)
         results = {name: [] for name, _, _ in configs}
+        # One discarded run first: lazy initialisation and first-touch allocations would otherwise land on the baseline.
+        run(model_path, dataset, configs[0][1], configs[0][2], args, accumulation, os.path.join(work, "out"))
         for _ in range(args.repeats):
             for name, trainer_class, extra in configs:
                 results[name].append(
@@ -225,15 +241,21 @@ def main(argv=None):
         base_memory = statistics.median(r[1] for r in results[configs[0][0]])
         base_forwards = results[configs[0][0]][0][2]
         print(f"gradient_accumulation_steps={accumulation}")
-        print(f"| configuration | s / step | time ratio | peak MiB | memory ratio | backbone passes / step besides decoding (vs GRPO) |")
-        print("|---|---|---|---|---|---|")
+        base_train = statistics.median(r[3] for r in results[configs[0][0]])
+        print(
+            "| configuration | s / step | time ratio | s / step without sampling | ratio without sampling | "
+            "peak MiB | memory ratio | backbone passes / step besides decoding (vs GRPO) |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
         for name, _, _ in configs:
             step_time = statistics.median(r[0] for r in results[name])
             memory = statistics.median(r[1] for r in results[name])
+            train_time = statistics.median(r[3] for r in results[name])
             forwards = results[name][0][2]
             print(
-                f"| {name} | {step_time:.3f} | {step_time / base_time:.3f} | {memory / 2**20:.0f} | "
-                f"{memory / max(base_memory, 1):.3f} | {forwards:.0f} ({forwards - base_forwards:+.0f}) |"
+                f"| {name} | {step_time:.3f} | {step_time / base_time:.3f} | {train_time:.3f} | "
+                f"{train_time / base_train:.3f} | {memory / 2**20:.0f} | {memory / max(base_memory, 1):.3f} | "
+                f"{forwards:.0f} ({forwards - base_forwards:+.0f}) |"
             )
         print()
 
