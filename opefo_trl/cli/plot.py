@@ -1,0 +1,67 @@
+"""``opefo-plot``: training curves (entropy, reward, lambda*, entropy flows) of one or more runs as a PNG.
+
+Usage:
+    opefo-plot runs/grpo runs/opefo --output curves.png
+    opefo-plot runs/opefo/checkpoint-500 other/trainer_state.json --output cmp.png --smoothing 0.6
+
+Each RUN is a run's output_dir (its trainer_state.json, else its latest checkpoint-*), a checkpoint folder or the
+json file itself. Runs are labelled by folder name; ``--group`` draws seeds of one setting (``opefo-seed0``,
+``opefo-seed1``) as their mean +- std.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from opefo_trl.plotting import RunNotFoundError, load_runs, plot_runs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="opefo-plot",
+        description="Plot token entropy, reward, OPEFO's lambda* and the entropy flows from trainer_state.json files.",
+    )
+    parser.add_argument("runs", nargs="+", metavar="RUN", help="run dir, checkpoint dir or trainer_state.json")
+    parser.add_argument("--output", "-o", required=True, help="PNG file to write")
+    parser.add_argument("--title", default=None, help="figure title")
+    parser.add_argument(
+        "--smoothing", type=float, default=0.0, help="exponential moving-average weight in [0, 1) (default 0: raw)"
+    )
+    parser.add_argument(
+        "--group",
+        action="store_true",
+        help="draw runs whose labels differ only by a trailing seed suffix (opefo-seed0, opefo-seed1, or opefo_0, "
+        "opefo_1) as one mean +- std line",
+    )
+    return parser
+
+
+_SEED_SUFFIX = re.compile(r"[-_.](?:seed)?[-_]?\d+$")
+
+
+def seed_group(label: str) -> str:
+    """The label without a trailing seed suffix: ``opefo-seed1`` and ``opefo_2`` -> ``opefo``; others unchanged."""
+    return _SEED_SUFFIX.sub("", label) or label
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        runs = load_runs(args.runs)
+        groups = {run.label: seed_group(run.label) for run in runs} if args.group else None
+        result = plot_runs(runs, args.output, groups=groups, smoothing=args.smoothing, title=args.title)
+    except (RunNotFoundError, ValueError) as err:
+        print(f"opefo-plot: error: {err}", file=sys.stderr)
+        return 2
+    for run in runs:
+        print(f"{run.label}: {run.state_path}")
+    if result.missing:
+        print(f"note: not logged by any run, left out: {', '.join(result.missing)}")
+    print(f"wrote {result.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

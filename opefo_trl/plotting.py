@@ -1,0 +1,270 @@
+"""Training curves from ``trainer_state.json`` files: token entropy, reward, lambda* and the entropy flows.
+
+Works on anything a ``transformers.Trainer`` wrote with ``save_state()`` or a checkpoint: the demo's runs, and real
+GPU runs of ``OPEFOTrainer`` / ``GRPOTrainer``. Only ``state.log_history`` is read; rows without a ``step`` or
+without a metric are skipped, so the final ``train_runtime`` row and evaluation rows do no harm.
+
+A run is given as a run directory (``output_dir``; if it holds no ``trainer_state.json`` itself, its latest
+``checkpoint-*`` is used), a checkpoint directory, or the path of a ``trainer_state.json``. Runs are labelled by
+folder name (a checkpoint folder by its run's folder); repeated labels are made unique with their parent folder.
+
+Example:
+    >>> from opefo_trl.plotting import load_runs, plot_runs
+    >>> runs = load_runs(["runs/grpo", "runs/opefo"])  # doctest: +SKIP
+    >>> result = plot_runs(runs, "curves.png")  # doctest: +SKIP
+    >>> result.missing  # metrics no run logged, left out of the figure  # doctest: +SKIP
+    []
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+STATE_FILE = "trainer_state.json"
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One subplot: a title, a y-axis label and the ``log_history`` keys drawn in it (one line style per key)."""
+
+    title: str
+    ylabel: str
+    metrics: tuple[str, ...]
+
+
+DEFAULT_PANELS: tuple[Panel, ...] = (
+    Panel("Mean token entropy", "entropy (nats)", ("entropy",)),
+    Panel("Reward", "mean reward", ("reward",)),
+    Panel("OPEFO balance coefficient", "lambda*", ("entropy_flow/lambda",)),
+    Panel(
+        "Entropy flow (solid: increase P, dashed: decrease N)",
+        "first-order flow",
+        ("entropy_flow/increase", "entropy_flow/decrease"),
+    ),
+)
+_LINESTYLES = ("-", "--", ":", "-.")
+
+
+class RunNotFoundError(FileNotFoundError):
+    """A path given as a run has no ``trainer_state.json`` (nor a checkpoint holding one)."""
+
+
+@dataclass
+class RunHistory:
+    """The ``log_history`` of one run, with its label and the file it came from."""
+
+    label: str
+    state_path: str
+    log_history: list[dict]
+
+    def keys(self) -> set[str]:
+        """Every metric name that appears in a logged training step."""
+        return {k for row in self.log_history if "step" in row for k in row}
+
+    def series(self, metric: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(steps, values)`` of ``metric`` over the logged steps that have a finite value, in step order.
+
+        A step logged twice (e.g. a train row and an eval row) keeps its last value.
+        """
+        by_step: dict[int, float] = {}
+        for row in self.log_history:
+            value = row.get(metric)
+            if "step" not in row or not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            if math.isfinite(value):
+                by_step[int(row["step"])] = float(value)
+        steps = np.array(sorted(by_step), dtype=np.int64)
+        return steps, np.array([by_step[s] for s in steps], dtype=np.float64)
+
+
+def find_state_file(path: str | os.PathLike) -> str:
+    """The ``trainer_state.json`` a run path refers to (see the module docstring), or ``RunNotFoundError``."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        return path
+    if not os.path.isdir(path):
+        raise RunNotFoundError(
+            f"{path!r} does not exist; give a run directory, a checkpoint directory or a {STATE_FILE}."
+        )
+    direct = os.path.join(path, STATE_FILE)
+    if os.path.isfile(direct):
+        return direct
+    checkpoints = []
+    for name in os.listdir(path):
+        match = _CHECKPOINT_RE.match(name)
+        if match and os.path.isfile(os.path.join(path, name, STATE_FILE)):
+            checkpoints.append((int(match.group(1)), name))
+    if checkpoints:
+        return os.path.join(path, max(checkpoints)[1], STATE_FILE)
+    raise RunNotFoundError(
+        f"No {STATE_FILE} in {path!r} nor in a checkpoint-* folder under it. Point at a run's output_dir after "
+        "`trainer.save_state()` (or with save_strategy != 'no'), a checkpoint folder, or the json file itself."
+    )
+
+
+def _default_label(state_path: str) -> str:
+    folder = os.path.dirname(os.path.abspath(state_path))
+    name = os.path.basename(folder)
+    if _CHECKPOINT_RE.match(name):
+        name = os.path.basename(os.path.dirname(folder))
+    return name
+
+
+def load_run(path: str | os.PathLike, label: str | None = None) -> RunHistory:
+    """Read one run's ``log_history`` (see the module docstring for accepted paths)."""
+    state_path = find_state_file(path)
+    try:
+        with open(state_path) as f:
+            state = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{state_path!r} is not valid JSON ({err}); is the file complete?") from err
+    history = state.get("log_history") if isinstance(state, dict) else None
+    if not isinstance(history, list):
+        raise ValueError(f"{state_path!r} has no `log_history` list; it does not look like a Trainer state file.")
+    return RunHistory(label=label or _default_label(state_path), state_path=state_path, log_history=history)
+
+
+def load_runs(paths: Sequence[str | os.PathLike]) -> list[RunHistory]:
+    """``load_run`` for each path; labels that repeat are prefixed with their parent folder."""
+    if not paths:
+        raise ValueError("No runs given: pass at least one run directory, checkpoint directory or trainer_state.json.")
+    runs = [load_run(p) for p in paths]
+    labels = [r.label for r in runs]
+    for run in runs:
+        if labels.count(run.label) > 1:
+            folder = os.path.dirname(os.path.abspath(run.state_path))
+            if _CHECKPOINT_RE.match(os.path.basename(folder)):
+                folder = os.path.dirname(folder)
+            run.label = f"{os.path.basename(os.path.dirname(folder))}/{run.label}"
+    return runs
+
+
+@dataclass
+class PlotResult:
+    """What ``plot_runs`` drew: the PNG path, the metrics plotted and those no run had (left out)."""
+
+    path: str
+    plotted: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+
+
+def _smooth(values: np.ndarray, weight: float) -> np.ndarray:
+    """Exponential moving average (TensorBoard-style, debiased); ``weight=0`` returns the values unchanged."""
+    if weight <= 0 or len(values) == 0:
+        return values
+    out = np.empty_like(values)
+    acc, norm = 0.0, 0.0
+    for i, v in enumerate(values):
+        acc = weight * acc + (1 - weight) * v
+        norm = weight * norm + (1 - weight)
+        out[i] = acc / norm
+    return out
+
+
+def _group_series(runs: Sequence[RunHistory], metric: str, smoothing: float):
+    """Mean and std over runs at the steps every run that logged ``metric`` has; None if no run has it."""
+    series = [run.series(metric) for run in runs]
+    series = [(s, _smooth(v, smoothing)) for s, v in series if len(s)]
+    if not series:
+        return None
+    common = series[0][0]
+    for steps, _ in series[1:]:
+        common = np.intersect1d(common, steps)
+    if len(common) == 0:
+        return None
+    stacked = np.stack([v[np.searchsorted(s, common)] for s, v in series])
+    return common, stacked.mean(axis=0), stacked.std(axis=0), len(series)
+
+
+def plot_runs(
+    runs: Sequence[RunHistory],
+    output_path: str | os.PathLike,
+    panels: Sequence[Panel] = DEFAULT_PANELS,
+    groups: Mapping[str, str] | None = None,
+    smoothing: float = 0.0,
+    title: str | None = None,
+) -> PlotResult:
+    """Draw one panel per entry of ``panels`` with a line per run (or per group), save a PNG and return what was drawn.
+
+    Args:
+        runs: loaded runs (``load_runs``).
+        output_path: the PNG to write (parent folders are created).
+        panels: which metrics to draw; a panel whose metrics no run logged is left out, and the missing metrics are
+            listed in ``PlotResult.missing`` and in a note at the bottom of the figure.
+        groups: optional ``{run label: group name}``; runs of one group (e.g. seeds of a method) are drawn as their
+            mean with a +-1 std band, at the steps all of them logged. Runs not in the mapping form their own group.
+        smoothing: exponential moving-average weight in [0, 1) applied to each run before grouping (0 = raw values).
+        title: figure title.
+    """
+    # A bare Figure (no pyplot): works headless and leaves a notebook's or script's own backend alone.
+    from matplotlib import rcParams
+    from matplotlib.figure import Figure
+
+    if not runs:
+        raise ValueError("plot_runs needs at least one run.")
+    if not 0.0 <= smoothing < 1.0:
+        raise ValueError(f"smoothing must be in [0, 1), got {smoothing}.")
+    groups = dict(groups or {})
+    grouped: dict[str, list[RunHistory]] = {}
+    for run in runs:
+        grouped.setdefault(groups.get(run.label, run.label), []).append(run)
+
+    available = set().union(*(run.keys() for run in runs))
+    wanted = [m for panel in panels for m in panel.metrics]
+    missing = [m for m in dict.fromkeys(wanted) if m not in available]
+    shown = [p for p in panels if any(m in available for m in p.metrics)]
+    if not shown:
+        raise ValueError(
+            f"None of the metrics {wanted} appear in the runs' log_history (found: {sorted(available)[:20]}). "
+            "Were the runs logged with logging_steps and an OPEFO/GRPO trainer?"
+        )
+
+    ncols = 2 if len(shown) > 1 else 1
+    nrows = math.ceil(len(shown) / ncols)
+    fig = Figure(figsize=(6.0 * ncols, 3.6 * nrows))
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    colors = rcParams["axes.prop_cycle"].by_key()["color"]
+    plotted: list[str] = []
+    for ax, panel in zip(axes.flat, shown):
+        for g, (name, members) in enumerate(grouped.items()):
+            color = colors[g % len(colors)]
+            for k, metric in enumerate(panel.metrics):
+                stats = _group_series(members, metric, smoothing)
+                if stats is None:
+                    continue
+                steps, mean, std, n = stats
+                label = name if k == 0 else None
+                if label is not None and n > 1:
+                    label = f"{name} (n={n})"
+                ax.plot(steps, mean, color=color, linestyle=_LINESTYLES[k % len(_LINESTYLES)], label=label, lw=1.5)
+                if n > 1:
+                    ax.fill_between(steps, mean - std, mean + std, color=color, alpha=0.15, lw=0)
+                if metric not in plotted:
+                    plotted.append(metric)
+        if "entropy_flow/lambda" in panel.metrics:
+            ax.axhline(0.0, color="0.5", lw=0.8, zorder=0)
+        ax.set_title(panel.title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.set_ylabel(panel.ylabel)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(shown) :]:
+        ax.set_visible(False)
+    if title:
+        fig.suptitle(title)
+    if missing:
+        fig.text(0.01, 0.005, "Not logged by any run: " + ", ".join(missing), fontsize=8, color="0.4")
+    fig.tight_layout(rect=(0, 0.03 if missing else 0, 1, 1))
+    output_path = os.fspath(output_path)
+    os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
+    fig.savefig(output_path, dpi=120)
+    return PlotResult(path=output_path, plotted=plotted, missing=missing)
