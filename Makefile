@@ -24,10 +24,10 @@ help:
 	@echo "make test   - set up .venv and run the offline test suite"
 	@echo "make bench  - step-time and peak-memory ratios vs TRL's GRPOTrainer"
 
+# A GPU machine takes the default (CUDA) torch; elsewhere the CPU build, never a multi-GB CUDA download.
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	# A GPU machine takes the default (CUDA) torch; elsewhere the CPU build, never a multi-GB CUDA download.
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		$(PIP) install "torch>=2.4"; \
 	else \

@@ -145,7 +145,7 @@ class OPEFOTrainer(GRPOTrainer):
             self._hidden_chunks = None
 
     @torch.no_grad()
-    def _completion_vocab_stats(self, hidden: torch.Tensor, input_ids: torch.Tensor, logits_to_keep: int):
+    def _completion_vocab_stats(self, hidden: torch.Tensor, logits_to_keep: int):
         """sum pi^2 and sum pi^2 log pi at the completion positions, (B, T), from hidden states and the LM head."""
         core = self._core_model()
         text_config = core.config.get_text_config()
@@ -197,7 +197,7 @@ class OPEFOTrainer(GRPOTrainer):
             )
         vocab = (None, None)
         if hidden_chunks:
-            vocab = self._completion_vocab_stats(torch.cat(hidden_chunks), input_ids, logits_to_keep)
+            vocab = self._completion_vocab_stats(torch.cat(hidden_chunks), logits_to_keep)
         if capture:
             self._rollout_capture.update(logps=logps.detach(), entropies=entropies.detach(), vocab=vocab)
         if in_loss:

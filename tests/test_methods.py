@@ -70,8 +70,9 @@ def test_clip_cov_drops_exactly_the_budget_inside_the_window_and_never_ppo_clipp
     assert int(dropped.sum()) == max(1, int(0.05 * n_valid))
     assert not (dropped & ~window).any(), "a token outside (lb, ub) or padding was dropped"
     assert not (dropped & clipped).any(), "a token PPO already clipped was dropped"
+    torch.manual_seed(0)  # the same random pick as above
     weights = method.micro_batch_terms(batch, batch.logps).weights
-    assert torch.equal(weights, (~dropped).float()) or int((weights == 0).sum()) == int(dropped.sum())
+    assert torch.equal(weights, (~dropped).float())
     assert method.pop_metrics()["clip_cov/dropped_frac"] == pytest.approx(int(dropped.sum()) / n_valid)
 
 
