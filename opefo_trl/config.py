@@ -11,8 +11,17 @@ check_trl_version()
 
 from trl import GRPOConfig  # noqa: E402
 
-from .entropy_flow import FLOW_ESTIMATES, SIDES  # noqa: E402
+from .entropy_flow import FLOW_ESTIMATES  # noqa: E402
 from .methods import TOKEN_METHODS, get_token_method_class  # noqa: E402
+
+
+#: Free-text GRPOConfig options and the values TRL 1.16 accepts for them.
+TRL_CHOICES = {
+    "loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"),
+    "scale_rewards": ("group", "batch", "none"),
+    "vllm_mode": ("colocate", "server"),
+    "importance_sampling_level": ("token", "sequence"),
+}
 
 
 @dataclass
@@ -105,16 +114,14 @@ class OPEFOConfig(GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        # GRPOConfig only rejects some of these when the first batch reaches them: fail at configuration time.
+        for name, valid in TRL_CHOICES.items():
+            if getattr(self, name) not in valid:
+                raise ValueError(f"Unknown {name} {getattr(self, name)!r}; choose one of {valid}.")
         method_class = get_token_method_class(self.method)  # unknown name: error listing the valid ones
         if self.entropy_flow_estimate not in FLOW_ESTIMATES:
             raise ValueError(
                 f"Unknown entropy_flow_estimate {self.entropy_flow_estimate!r}; choose one of {FLOW_ESTIMATES}."
-            )
-        if self.opefo_sides not in SIDES:
-            raise ValueError(f"Unknown opefo_sides {self.opefo_sides!r}; choose one of {SIDES}.")
-        if self.opefo_lambda is not None and not -1.0 <= self.opefo_lambda <= 1.0:
-            raise ValueError(
-                f"opefo_lambda must lie in [-1, 1] (token weights 1 +/- lambda must stay >= 0); got {self.opefo_lambda}."
             )
         if self.vocab_stats_token_chunk_size < 1 or self.vocab_stats_vocab_chunk_size < 1:
             raise ValueError("vocab_stats_token_chunk_size and vocab_stats_vocab_chunk_size must be >= 1.")
@@ -138,10 +145,12 @@ class OPEFOConfig(GRPOConfig):
                 "num_iterations=1 and leave steps_per_generation unset (it then equals gradient_accumulation_steps), "
                 "or set allow_off_policy=True to run it off-policy deliberately."
             )
-        # Build the method once here so its own argument checks fail at configuration time, not mid-training.
+        # Build every method once so that each one's settings are checked at configuration time (whichever method
+        # is selected: a bad value is never silently ignored), not mid-training.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            method_class.from_args(self)
+            for registered in TOKEN_METHODS.values():
+                registered.from_args(self)
 
 
 __all__ = ["OPEFOConfig", "TOKEN_METHODS"]

@@ -13,8 +13,8 @@ Runs offline, with nothing downloaded:
    ``OUTPUT_DIR/summary.md`` (a table) and ``OUTPUT_DIR/summary.json``.
 
 Usage:
-    python -m opefo_trl.demo --output-dir runs/demo                 # 3 methods x 3 seeds (about 5-10 min on 2 cores)
-    python -m opefo_trl.demo --output-dir runs/demo-quick --quick   # 1 seed, fewer steps (under 2 min)
+    python -m opefo_trl.demo --output-dir runs/demo                 # 3 methods x 3 seeds (about 5-6 min on 2 cores)
+    python -m opefo_trl.demo --output-dir runs/demo-quick --quick   # 1 seed, fewer steps (about 1 min)
     python -m opefo_trl.demo --output-dir runs/x --methods grpo opefo clip_cov par --seeds 0 1 2 3 4
 
 Methods: ``grpo`` (strict on-policy GRPO), ``opefo``, ``entropy_reg`` (GRPO + TRL's ``entropy_coef``),
@@ -47,6 +47,7 @@ from opefo_trl.synthetic import (  # noqa: E402
     correct_sum_reward,
     default_targets,
     is_correct_sum,
+    parse_sum,
     sample_warm_start_examples,
     sum_prompt,
 )
@@ -327,7 +328,7 @@ def sample_policy(model, tokenizer, targets: Sequence[int], samples_per_prompt: 
     correct, distinct = 0, []
     for i, target in enumerate(targets):
         group = answers[i * samples_per_prompt : (i + 1) * samples_per_prompt]
-        right = {a.strip() for a in group if is_correct_sum(a, target)}
+        right = {parse_sum(a) for a in group if is_correct_sum(a, target)}  # '3 + 4' and '3+4' are one answer
         correct += sum(is_correct_sum(a, target) for a in group)
         distinct.append(len(right))
     return SampleStats(

@@ -55,7 +55,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .pass_at_k import majority_vote, pass_at_k
+from .pass_at_k import avg_at_n, majority_vote, mean_pass_at_k
 from .templates import DEFAULT_TEMPLATE, PROMPT_TEMPLATES, format_prompt, get_template
 
 logger = logging.getLogger(__name__)
@@ -908,10 +908,10 @@ def score_problem(problem: Problem, completions: Sequence[str]) -> dict[str, Any
         >>> row["n"], row["c"], row["answers"], row["majority_answer"], row["majority_correct"]
         (3, 2, ['2', '3', '2'], '2', True)
     """
-    from .rewards import FAILED, GOLD_UNPARSEABLE, verify_completion
+    from .rewards import FAILED, verify_completion
 
     results = [verify_completion(text, problem.gold) for text in completions]
-    scorable = not any(r.status == GOLD_UNPARSEABLE for r in results)
+    scorable = all(r.gold_scorable for r in results)  # an unreadable gold answer is not 0 correct
     correct = [r.score == 1.0 for r in results]
     answers = [r.answer for r in results]
     majority_answer, majority_correct = majority_vote(answers, correct)
@@ -957,10 +957,11 @@ def compute_benchmark_metrics(rows: Sequence[dict], k_values: Sequence[int]) -> 
     if not scored:
         logger.warning("No problem could be scored (all gold answers unparseable).")
         return metrics
-    metrics["avg@n"] = sum(row["c"] / row["n"] for row in scored) / len(scored)
+    num_samples, num_correct = [row["n"] for row in scored], [row["c"] for row in scored]
+    metrics["avg@n"] = avg_at_n(num_samples, num_correct)
     metrics["maj@n"] = sum(bool(row["majority_correct"]) for row in scored) / len(scored)
     for k in k_values:
-        metrics[f"pass@{k}"] = sum(pass_at_k(row["n"], row["c"], k) for row in scored) / len(scored)
+        metrics[f"pass@{k}"] = mean_pass_at_k(num_samples, num_correct, k)
     return metrics
 
 

@@ -188,7 +188,9 @@ class OPEFO(TokenMethod):
         if sides not in SIDES:
             raise ValueError(f"Unknown opefo_sides {sides!r}; choose one of {SIDES}.")
         if fixed_lambda is not None and not -1.0 <= fixed_lambda <= 1.0:
-            raise ValueError(f"A fixed lambda must lie in [-1, 1] so that weights stay >= 0; got {fixed_lambda}.")
+            raise ValueError(
+                f"opefo_lambda must lie in [-1, 1] (token weights 1 +/- lambda must stay >= 0); got {fixed_lambda}."
+            )
         self.estimate, self.fixed_lambda, self.sides = estimate, fixed_lambda, sides
 
     @classmethod
@@ -262,10 +264,12 @@ class PAR(TokenMethod):
             self.coef = min(1.0, max(0.0, self.coef + delta))
 
     def state_dict(self) -> dict:
-        return {"coef": self.coef}
+        return {"coef": self.coef, "adaptive": self.adaptive}
 
     def load_state_dict(self, state: dict) -> None:
-        self.coef = float(state["coef"])
+        # Only the controller's coefficient is state; a constant par_coef is configuration and the new run's wins.
+        if self.adaptive and state.get("adaptive", True):
+            self.coef = float(state["coef"])
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -299,7 +303,9 @@ class ClipCov(TokenMethod):
 
     @classmethod
     def from_args(cls, args) -> ClipCov:
-        return cls(args.clip_cov_ratio, args.clip_cov_lb, args.clip_cov_ub, args.epsilon, args.epsilon_high)
+        # TRL leaves epsilon_high None to mean "same as epsilon".
+        epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+        return cls(args.clip_cov_ratio, args.clip_cov_lb, args.clip_cov_ub, args.epsilon, epsilon_high)
 
     def ppo_clipped(self, batch: TokenBatch) -> torch.Tensor:
         """Tokens whose gradient PPO's clip already removes (ratio outside the trust region, in the clipped direction)."""
@@ -329,6 +335,10 @@ class ClipCov(TokenMethod):
         return TokenTerms(weights=(~dropped).float())
 
 
+#: An epsilon this large makes TRL's clip range [1 - eps, 1 + eps] contain every ratio: no clipping.
+KL_COV_NO_CLIP = 1e9
+
+
 @register_token_method("kl_cov")
 class KLCov(TokenMethod):
     """KL-Cov: add ``coef * |log r_t|`` to the loss of the top-k tokens by covariance score.
@@ -348,11 +358,17 @@ class KLCov(TokenMethod):
     @classmethod
     def from_args(cls, args) -> KLCov:
         strict = args.num_iterations == 1 and args.steps_per_generation == args.gradient_accumulation_steps
-        if strict and not getattr(args, "use_vllm", False):
+        if strict:
             warnings.warn(
-                "method='kl_cov' in a strict on-policy configuration is inert: log r = 0, so the |log r| penalty has "
-                "no gradient and training is plain GRPO. The published KL-Cov baselines take 8 updates per rollout "
-                "(steps_per_generation = 8 * gradient_accumulation_steps).",
+                "method='kl_cov' in a strict on-policy configuration is inert: log r = 0 (up to sampler noise with "
+                "vLLM), so the |log r| penalty has no gradient and training is plain GRPO. The published KL-Cov "
+                "baselines take 8 updates per rollout (steps_per_generation = 8 * gradient_accumulation_steps).",
+                stacklevel=2,
+            )
+        if args.epsilon < KL_COV_NO_CLIP:
+            warnings.warn(
+                f"method='kl_cov' runs on TRL's clipped loss (epsilon={args.epsilon}); the published KL-Cov has no PPO "
+                f"clipping (pg = -A r). Set epsilon and epsilon_high to {KL_COV_NO_CLIP:g} or more to switch it off.",
                 stacklevel=2,
             )
         return cls(args.kl_cov_ratio, args.kl_cov_coef)

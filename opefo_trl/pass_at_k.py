@@ -29,6 +29,13 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 
 
+def _whole(value, name: str) -> int:
+    """``value`` as an int; a fractional value (an accuracy passed for a count, say) is an error, not truncated."""
+    if isinstance(value, bool) or float(value) != int(value):
+        raise ValueError(f"{name} must be a whole number of samples, got {value!r}.")
+    return int(value)
+
+
 def _check_counts(n: int, c: int) -> None:
     if n < 1:
         raise ValueError(f"pass@k needs at least one sample per problem, got n={n}.")
@@ -49,7 +56,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
         >>> round(pass_at_k(10, 1, 1), 6)
         0.1
     """
-    n, c, k = int(n), int(c), int(k)
+    n, c, k = _whole(n, "n"), _whole(c, "c"), _whole(k, "k")
     _check_counts(n, c)
     if k < 1:
         raise ValueError(f"k must be at least 1, got k={k}.")
@@ -79,8 +86,11 @@ def avg_at_n(num_samples: Sequence[int], num_correct: Sequence[int]) -> float:
 
 
 def _as_counts(num_samples, num_correct) -> tuple[np.ndarray, np.ndarray]:
-    num_samples = np.asarray(num_samples, dtype=np.int64)
-    num_correct = np.asarray(num_correct, dtype=np.int64)
+    num_samples, num_correct = np.asarray(num_samples), np.asarray(num_correct)
+    for name, values in (("num_samples", num_samples), ("num_correct", num_correct)):
+        if values.size and not np.array_equal(values, np.round(values)):
+            raise ValueError(f"{name} must hold whole numbers of samples (counts, not accuracies), got {values[:5]}.")
+    num_samples, num_correct = num_samples.astype(np.int64), num_correct.astype(np.int64)
     if num_samples.shape != num_correct.shape or num_samples.ndim != 1:
         raise ValueError(
             f"num_samples and num_correct must be 1-D and of equal length, got shapes {num_samples.shape} and "

@@ -16,11 +16,12 @@ parses a bare gold as a plain expression and reads it as ``3``). A list of gold 
 ``final_answer``) is one answer made of several values. A gold answer that cannot be parsed gives ``None`` -- never 0
 -- and TRL then leaves that completion out of the advantage baseline.
 
-Failures: math-verify's timeouts use ``signal.alarm``, which only exists in the main thread; elsewhere (TRL's async
-reward loop, a thread pool) they are switched off. A timeout or an exception while parsing or comparing gives
-``None`` (the completion is left out rather than punished as wrong), is counted in :data:`VERIFICATION_FAILURES`,
-logged as a warning, and, inside a TRL trainer, logged as the metric ``rewards/math_accuracy_reward/failures``
-(failed completions per reward call).
+Failures: a timeout or an exception while parsing or comparing gives ``None`` (the completion is left out rather
+than punished as wrong), is counted in :data:`VERIFICATION_FAILURES`, logged as a warning, and, inside a TRL
+trainer, logged as the metric ``rewards/math_accuracy_reward/failures`` (mean failed completions per reward call and
+process). math-verify's timeouts use ``signal.alarm``, which only exists in the main thread: GRPOTrainer and
+``opefo-eval`` call the reward there. Called from another thread the reward still works, but without timeouts, so
+a pathological expression (e.g. a tower of powers) can take arbitrarily long there.
 
 ``trl.rewards.accuracy_reward`` is not reused directly: it reads only ``\boxed``/``$...$`` answers (a DAPO
 ``Answer: 42`` line scores 0), takes conversational completions only, and turns verification errors into 0.
@@ -123,12 +124,19 @@ class Verification:
         status: one of ``"correct"``, ``"wrong"``, ``"no_answer"``, ``"gold_unparseable"``, ``"failed"``.
         answer: the extracted answer in canonical (SymPy string) form, used for majority voting; ``None`` if none.
         error: what went wrong when ``status == "failed"``.
+        gold_failed: the failure was in parsing the gold answer (the problem, not this completion, is unscorable).
     """
 
     score: float | None
     status: str
     answer: str | None = None
     error: str | None = None
+    gold_failed: bool = False
+
+    @property
+    def gold_scorable(self) -> bool:
+        """Whether the gold answer could be read, so that the problem can be scored at all."""
+        return self.status != GOLD_UNPARSEABLE and not self.gold_failed
 
 
 def _timeouts() -> tuple[int | None, int | None]:
@@ -256,7 +264,7 @@ def verify_completion(text: str, gold: Any) -> Verification:
         gold_parsed = _parse_gold(gold_to_text(gold))
     except VerificationFailure as err:
         VERIFICATION_FAILURES.add(str(err))
-        return Verification(score=None, status=FAILED, error=f"gold answer {gold!r}: {err}")
+        return Verification(score=None, status=FAILED, error=f"gold answer {gold!r}: {err}", gold_failed=True)
     if not gold_parsed:
         return Verification(score=None, status=GOLD_UNPARSEABLE)
     try:

@@ -57,6 +57,17 @@ from .vocab_stats import vocab_stats  # noqa: E402
 METHOD_STATE_NAME = "opefo_method_state.json"
 
 
+def _logit_scale(text_config) -> float:
+    """The multiplier TRL's fused head applies to the logits (same lookup as `trl.trainer.utils.add_fused_lm_head`)."""
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        if getattr(text_config, name, None) is not None:
+            return getattr(text_config, name)
+    if getattr(text_config, "logits_scaling", None) is not None:
+        scaling = text_config.logits_scaling
+        return scaling if text_config.model_type == "hyperclovax" else 1 / scaling
+    return 1.0
+
+
 def _as_opefo_config(args: GRPOConfig | None, model) -> OPEFOConfig:
     """Accept a plain GRPOConfig (drop-in use): same settings, OPEFO's defaults for the new fields."""
     if args is None:
@@ -158,7 +169,7 @@ class OPEFOTrainer(GRPOTrainer):
                 head.weight,
                 head.bias,
                 temperature=self.temperature,
-                logit_scale=getattr(text_config, "logit_scale", None) or 1.0,
+                logit_scale=_logit_scale(text_config),
                 softcap=getattr(text_config, "final_logit_softcapping", None),
                 token_chunk_size=self.args.vocab_stats_token_chunk_size,
                 vocab_chunk_size=self.args.vocab_stats_vocab_chunk_size,
@@ -232,7 +243,8 @@ class OPEFOTrainer(GRPOTrainer):
             )
         self._weights_deferred = False
         if "logps" not in capture:
-            if self.args.steps_per_generation == 1:
+            # (With num_iterations > 1 the buffered batch is reused: its weights must be in it, so no deferral.)
+            if self.args.steps_per_generation == 1 and self.num_iterations == 1:
                 # The rollout batch is one micro-batch scored by the training forward with the same parameters:
                 # compute the weights there and save a forward pass.
                 self._weights_deferred = True
@@ -254,6 +266,13 @@ class OPEFOTrainer(GRPOTrainer):
 
     def _score_rollout(self, output: dict) -> dict:
         """One no-grad forward of the current policy over the local rollout batch (text-only)."""
+        multimodal = sorted(k for k in ("pixel_values", "image_grid_thw", "num_images", "token_type_ids") if k in output)
+        if multimodal:
+            raise NotImplementedError(
+                f"OPEFOTrainer's own scoring pass is text-only, but this rollout has {multimodal}. Use one micro-batch "
+                "per rollout (gradient_accumulation_steps=1) or vLLM with importance-sampling correction, whose "
+                "scoring pass TRL runs with the images and OPEFO reuses."
+            )
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         self._rollout_capture = {}

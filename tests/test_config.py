@@ -28,6 +28,11 @@ def config(**overrides):
         (dict(method="clip_cov", clip_cov_lb=5.0, clip_cov_ub=1.0), "clip_cov_lb must be < clip_cov_ub"),
         (dict(method="kl_cov", kl_cov_ratio=-0.1), "kl_cov_ratio"),
         (dict(vocab_stats_vocab_chunk_size=0), "vocab_stats_"),
+        (dict(loss_type="dapoo"), r"Unknown loss_type 'dapoo'; choose one of"),
+        (dict(vllm_mode="colocat"), r"Unknown vllm_mode 'colocat'"),
+        (dict(scale_rewards="grup"), r"Unknown scale_rewards 'grup'"),
+        (dict(method="grpo", opefo_sides="up"), "Unknown opefo_sides"),  # checked whichever method is selected
+        (dict(method="grpo", clip_cov_ratio=0.0), "clip_cov_ratio"),
     ],
 )
 def test_bad_settings_fail_at_configuration_time(overrides, match):
@@ -48,7 +53,11 @@ def test_kl_cov_warns_that_it_is_inert_on_policy():
 
     with pytest.warns(UserWarning, match="inert"):
         KLCov.from_args(config(method="kl_cov"))
-    eight_updates = config(method="kl_cov", gradient_accumulation_steps=1, steps_per_generation=8)
+    with pytest.warns(UserWarning, match="no PPO clipping"):
+        KLCov.from_args(config(method="kl_cov", gradient_accumulation_steps=1, steps_per_generation=8))
+    eight_updates = config(
+        method="kl_cov", gradient_accumulation_steps=1, steps_per_generation=8, epsilon=1e9, epsilon_high=1e9
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         KLCov.from_args(eight_updates)

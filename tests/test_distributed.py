@@ -1,6 +1,7 @@
 """Two data-parallel processes (torchrun, gloo) share one lambda* equal to the single-process value on the union."""
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -14,7 +15,10 @@ from opefo_trl.entropy_flow import entropy_flow, flow_stats
 def test_lambda_star_is_reduced_over_ranks(tiny_model_path, tmp_path, accumulation):
     worker = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533", worker,
+    with socket.socket() as probe:  # a free port, so that parallel runs do not collide
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port, worker,
            tiny_model_path, str(tmp_path), accumulation]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]

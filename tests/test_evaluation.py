@@ -225,7 +225,9 @@ def test_backend_choice():
     assert select_backend("transformers", vllm_available=True) == "transformers"
     with pytest.raises(ImportError, match=r"vLLM is not installed.*opefo-trl\[vllm\]"):
         select_backend("vllm", vllm_available=False)
-    assert evaluation.vllm_is_available() is False  # not installed here; auto must then fall back
+    import importlib.util
+
+    assert evaluation.vllm_is_available() is (importlib.util.find_spec("vllm") is not None)
 
 
 def test_vllm_requests_one_per_problem_with_n_and_seed():
@@ -504,3 +506,16 @@ def test_cli_runs_and_reports_bad_input(tiny_model_path, bench_file, tmp_path, c
     recipe.write_text(recipe.read_text() + "temprature: 0.5\n")
     assert main(["--config", str(recipe)]) == 2
     assert "temprature" in capsys.readouterr().err
+
+
+def test_a_gold_answer_that_fails_to_parse_makes_the_problem_unscorable_not_wrong(monkeypatch):
+    from opefo_trl import rewards
+    from opefo_trl.evaluation import Problem, score_problem
+
+    def broken_gold(gold_text):
+        raise rewards.VerificationFailure("math-verify parsing timed out after 10 s")
+
+    monkeypatch.setattr(rewards, "_parse_gold", broken_gold)
+    row = score_problem(Problem(0, "1+1?", "2"), [r"\boxed{2}", r"\boxed{3}"])
+    assert row["scorable"] is False and row["c"] is None
+    assert row["num_verification_failures"] == 2

@@ -137,10 +137,13 @@ def test_par_controller_moves_by_one_step_per_optimizer_step_within_bounds():
     assert max(coefs) == 1.0 and coefs[-1] == 1.0
     steps = torch.tensor(coefs, dtype=torch.float64).diff().abs()
     assert torch.all(steps <= 0.05 + 1e-9)
-    assert par.state_dict() == {"coef": 1.0}
+    assert par.state_dict() == {"coef": 1.0, "adaptive": True}
     fresh = PAR()
     fresh.load_state_dict(par.state_dict())
     assert fresh.coef == 1.0
+    constant = PAR(coef=0.3)  # a constant coefficient is configuration: a checkpoint does not override it
+    constant.load_state_dict(par.state_dict())
+    assert constant.coef == 0.3
 
 
 def test_par_controller_uses_the_rank_reduced_mean_entropy():

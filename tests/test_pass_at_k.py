@@ -70,3 +70,12 @@ def test_majority_vote():
     with pytest.raises(ValueError, match="2 answers but 1"):
         majority_vote(["1", "2"], [True])
     assert mean_majority_accuracy([["1", "1", "2"], ["4", "3", "3"]], [[True, True, False], [True, False, False]]) == 0.5
+
+
+def test_fractional_counts_are_rejected_not_truncated():
+    from opefo_trl.pass_at_k import mean_pass_at_k, pass_at_k
+
+    with pytest.raises(ValueError, match="whole number"):
+        pass_at_k(4.9, 1, 4)
+    with pytest.raises(ValueError, match="counts, not accuracies"):
+        mean_pass_at_k([4, 4], [0.5, 0.75], 1)

@@ -164,6 +164,10 @@ def test_seed_group_names():
     assert seed_group("opefo-seed1") == "opefo"
     assert seed_group("entropy_reg_2") == "entropy_reg"
     assert seed_group("clip_cov") == "clip_cov"
+    # Numbers that are settings, not seeds, keep runs apart.
+    assert seed_group("opefo-lr-1e-6") != seed_group("opefo-lr-1e-5")
+    assert seed_group("beta_0.1") != seed_group("beta_0.2")
+    assert seed_group("opefo-lr-1e-6-seed2") == "opefo-lr-1e-6"
 
 
 def test_cli_writes_png_and_reports_missing_metrics(tmp_path, capsys):

@@ -73,7 +73,15 @@ def test_recipe_parses_with_the_papers_settings(model, method):
     assert args.max_completion_length == MODELS[model]
     assert (args.temperature, args.beta, args.loss_type) == (1.0, 0.0, "dapo")
     assert args.entropy_coef == (1e-3 if method == "entropy_reg" else 0.0)
-    assert args.epsilon_high == {"clip_higher": 0.28, "clip_cov": 1.0}.get(method)
+    # Clip-Cov: the authors' eps_low = eps_high = 1; KL-Cov: no PPO clipping at all (SPEC section 4).
+    assert args.epsilon_high == {"clip_higher": 0.28, "clip_cov": 1.0, "kl_cov": 1e9}.get(method)
+    assert args.epsilon == {"clip_cov": 1.0, "kl_cov": 1e9}.get(method, 0.2)
+    if method == "clip_cov":
+        assert (args.clip_cov_ratio, args.clip_cov_lb, args.clip_cov_ub) == (2e-4, 1.0, 5.0)
+    if method == "kl_cov":
+        assert (args.kl_cov_ratio, args.kl_cov_coef) == (2e-3, 1.0)
+    if method == "par":
+        assert (args.par_coef, args.par_coef_init, args.par_entropy_target, args.par_coef_step) == (None, 0.0, 0.2, 0.05)
     assert args.use_vllm and args.vllm_mode == "colocate"
     assert args.bf16 and args.logging_steps == 1 and args.num_train_epochs == 1 and args.save_steps > 0
     assert args.optim.startswith("adamw") and args.entropy_flow_diagnostics

@@ -200,7 +200,7 @@ def test_par_coefficient_survives_resume_from_checkpoint(tiny_model_path, tiny_d
     checkpoint = os.path.join(args.output_dir, "checkpoint-2")
     with open(os.path.join(checkpoint, "opefo_method_state.json")) as f:
         saved = json.load(f)
-    assert saved == {"method": "par", "state": {"coef": first.token_method.coef}}
+    assert saved == {"method": "par", "state": {"coef": first.token_method.coef, "adaptive": True}}
     assert first.token_method.coef != 0.5  # the controller moved, so a reset would be visible
 
     # Resume and take one more step: the coefficient it applies is the one the first run handed on.
@@ -265,3 +265,61 @@ def test_opefo_adds_a_forward_pass_only_when_trl_has_none_to_share(
     opefo = _scoring_passes(OPEFOTrainer, make_config(tmp_path, **overrides), tiny_model_path, tiny_dataset)
     rollouts = 2 if overrides.get("num_iterations") is None else 1  # max_steps=2
     assert opefo - grpo == extra_calls * rollouts
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(),  # weights from the training forward
+        dict(gradient_accumulation_steps=2, per_device_train_batch_size=4),  # own scoring pass
+        dict(gradient_accumulation_steps=2, per_device_train_batch_size=4, num_iterations=2, allow_off_policy=True),
+        dict(  # one micro-batch per rollout but the buffered batch is reused: weights must live in the buffer
+            gradient_accumulation_steps=2, per_device_train_batch_size=4, steps_per_generation=1, num_iterations=2,
+            allow_off_policy=True,
+        ),
+    ],
+    ids=["training_forward", "scoring_pass", "trl_scoring_pass", "reused_single_micro_batch"],
+)
+def test_every_micro_batch_gets_the_weights_exactly_once(tiny_model_path, tiny_dataset, tmp_path, overrides):
+    """Per row, TRL must see advantages A * w with w in {1 + lambda*, 1 - lambda*, 1}: never A alone, never A * w^2."""
+    seen = []
+
+    class Spy(OPEFOTrainer):
+        def _apply_token_method(self, logps, entropies, vocab):
+            super()._apply_token_method(logps, entropies, vocab)
+            seen.append((self._loss_inputs["advantages"].clone(), self._loss_mask(self._loss_inputs), lambdas[-1]))
+
+    lambdas = []
+    trainer = Spy(model=tiny_model_path, reward_funcs=length_reward, args=make_config(tmp_path, max_steps=4, **overrides),
+                  train_dataset=tiny_dataset)
+    rollout_weights = trainer.token_method.rollout_weights
+
+    def recording(batch, reduce_sum):
+        weights = rollout_weights(batch, reduce_sum)
+        lambdas.append(trainer.token_method.metrics["opefo/lambda_applied"])
+        return weights
+
+    trainer.token_method.rollout_weights = recording
+    trainer.train()
+    assert len(seen) == 4 * trainer.args.gradient_accumulation_steps
+    for advantages, mask, lam in seen:
+        assert advantages.dim() == 2, "the advantages reaching TRL must be per-token"
+        weighted_rows, active_rows = 0, 0
+        factors = torch.tensor([1 + lam, 1 - lam, 1.0], dtype=torch.float64)
+        for row, row_mask in zip(advantages.double(), mask.bool()):
+            values = row[row_mask]
+            if values.numel() == 0 or values.abs().max() == 0:
+                continue
+            explained = [
+                base for base in values[0] / factors
+                if all(torch.isclose(v / base, factors, rtol=1e-5, atol=0).any() for v in values)
+            ]
+            assert explained, f"row advantages {values.unique().tolist()} are not A x (1 +/- {lam}, 1)"
+            weighted_rows += int(values.unique().numel() > 1)
+            active_rows += 1
+        assert weighted_rows > 0 or active_rows == 0 or lam == 0, "a micro-batch reached the loss unweighted"
+
+
+def test_clip_cov_trains_off_policy_with_default_epsilon_high(tiny_model_path, tiny_dataset, tmp_path):
+    trainer = train(tiny_model_path, tiny_dataset, make_config(tmp_path, method="clip_cov", num_iterations=2))
+    assert logged(trainer, "clip_cov/dropped_frac")

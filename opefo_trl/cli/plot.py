@@ -38,12 +38,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_SEED_SUFFIX = re.compile(r"[-_.](?:seed)?[-_]?\d+$")
+_SEED_SUFFIX = re.compile(r"[-_.]?seed[-_]?\d+$")
+_BARE_NUMBER_SUFFIX = re.compile(r"[-_]\d+$")
+_ENDS_IN_A_VALUE = re.compile(r"(\d|\d[eE]|\.)$")
 
 
 def seed_group(label: str) -> str:
-    """The label without a trailing seed suffix: ``opefo-seed1`` and ``opefo_2`` -> ``opefo``; others unchanged."""
-    return _SEED_SUFFIX.sub("", label) or label
+    """The label without a trailing seed suffix: ``opefo-seed1`` and ``opefo_2`` -> ``opefo``; others unchanged.
+
+    A bare trailing number counts as a seed only after a name: in ``lr-1e-6`` or ``beta_0.1`` it is part of a
+    setting, and runs that differ in a setting are never averaged together.
+    """
+    stripped = _SEED_SUFFIX.sub("", label)
+    if stripped != label:
+        return stripped or label
+    bare = _BARE_NUMBER_SUFFIX.sub("", label)
+    if bare and bare != label and not _ENDS_IN_A_VALUE.search(bare):
+        return bare
+    return label
 
 
 def main(argv: list[str] | None = None) -> int:
