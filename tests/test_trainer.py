@@ -323,3 +323,22 @@ def test_every_micro_batch_gets_the_weights_exactly_once(tiny_model_path, tiny_d
 def test_clip_cov_trains_off_policy_with_default_epsilon_high(tiny_model_path, tiny_dataset, tmp_path):
     trainer = train(tiny_model_path, tiny_dataset, make_config(tmp_path, method="clip_cov", num_iterations=2))
     assert logged(trainer, "clip_cov/dropped_frac")
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"])
+def test_extra_loss_terms_are_normalised_exactly_like_trl_policy_loss(tiny_model_path, tiny_dataset, tmp_path, loss_type):
+    """With A = -1 and ratio 1, TRL's policy loss is its own aggregation of a per-token 1: ours must match it."""
+    from trl import GRPOTrainer
+
+    args = make_config(tmp_path, method="kl_cov", loss_type=loss_type, gradient_accumulation_steps=2,
+                       per_device_train_batch_size=4)
+    trainer = OPEFOTrainer(model=tiny_model_path, reward_funcs=length_reward, args=args, train_dataset=tiny_dataset)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    inputs["advantages"] = -torch.ones_like(inputs["advantages"])
+    with torch.no_grad():
+        trl_loss = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+    mask = trainer._loss_mask(inputs)
+    ours = trainer._aggregate_like_policy_loss(torch.ones_like(mask, dtype=torch.float32), mask, inputs)
+    assert ours.item() == pytest.approx(trl_loss.item(), rel=1e-6)
