@@ -452,12 +452,35 @@ def metrics_jsonl_callback(mode: str, output_dir: str):
         return None
 
     class MetricsJsonlCallback(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
+        def _path(self, args, state) -> str | None:
             if mode == "main_process" and not state.is_world_process_zero:
-                return
+                return None
             name = METRICS_FILE if mode == "main_process" else METRICS_FILE_PER_RANK.format(rank=args.process_index)
+            return os.path.join(output_dir, name)
+
+        trimmed = False
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            # Resuming from an older checkpoint replays the steps after it: drop their earlier lines once, when
+            # global_step holds the checkpoint's step (Trainer restores it after on_train_begin).
+            if self.trimmed:
+                return
+            self.trimmed = True
+            path = self._path(args, state)
+            if path is None or not os.path.exists(path):
+                return
+            with open(path) as f:
+                lines = [line for line in f if line.strip()]
+            kept = [line for line in lines if json.loads(line).get("step", 0) <= state.global_step]
+            with open(path, "w") as f:
+                f.writelines(kept)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            path = self._path(args, state)
+            if path is None:
+                return
             os.makedirs(output_dir, exist_ok=True)
-            with open(os.path.join(output_dir, name), "a") as f:
+            with open(path, "a") as f:
                 f.write(json.dumps({"step": state.global_step, **(logs or {})}, default=float) + "\n")
 
     return MetricsJsonlCallback()

@@ -295,3 +295,8 @@ def test_resume_restores_optimizer_and_method_state(tiny_model_path, problems_fi
     assert continued[0]["par/coef"] == pytest.approx(min(1.0, coefs[2] + (coefs[2] - coefs[1])))
     with open(os.path.join(first, "checkpoint-4", METHOD_STATE_NAME)) as f:
         assert json.load(f)["method"] == "par"
+
+    # Resuming an older checkpoint into the same output_dir replays step 4: metrics.jsonl keeps each step once.
+    main(["--config", PAR_RECIPE, *_cpu_overrides(tiny_model_path, problems_file, first, max_steps=4, save_steps=1),
+          *reward, "--resume_from_checkpoint", os.path.join(first, "checkpoint-3")])
+    assert [m["step"] for m in _metrics(first) if "par/coef" in m] == [1, 2, 3, 4]
