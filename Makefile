@@ -17,12 +17,13 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed is a pure-Python install on CPU: build no CUDA ops.
 export DS_BUILD_OPS := 0
 
-.PHONY: help install test demo demo-quick bench clean
+.PHONY: help install test demo demo-quick bench bench-eval clean
 
 help:
 	@echo "make demo   - set up .venv, train GRPO / OPEFO / baselines on a synthetic task, write plots + table"
 	@echo "make test   - set up .venv and run the offline test suite"
 	@echo "make bench  - step-time and peak-memory ratios vs TRL's GRPOTrainer"
+	@echo "make bench-eval - batched evaluation vs one-prompt-at-a-time generate"
 
 # A GPU machine takes the default (CUDA) torch; elsewhere the CPU build, never a multi-GB CUDA download.
 $(VENV)/.torch:
@@ -53,6 +54,9 @@ demo-quick: install
 
 bench: install
 	$(PY) benchmarks/bench_step.py
+
+bench-eval: install
+	$(PY) benchmarks/bench_eval.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
