@@ -114,3 +114,22 @@ def test_opefo_zero3_two_processes_lambda_checkpoint_resume(tmp_path, tiny_model
     assert _rank_metrics(out, 0)[2]["entropy_flow/lambda"] == _rank_metrics(out, 1)[2]["entropy_flow/lambda"]
     with open(os.path.join(out, "checkpoint-3", "trainer_state.json")) as f:
         assert json.load(f)["global_step"] == 3
+
+
+def test_full_estimate_under_zero3_gathers_the_lm_head(tmp_path, tiny_model_path):
+    """The `full` estimate re-projects hidden states through the LM head, which ZeRO-3 shards to size 0 outside its
+    module's forward: the vocabulary pass must gather it, and the two ranks must still agree on lambda*."""
+    pytest.importorskip("deepspeed")
+    (tmp_path / "launch_opefo_train.py").write_text(LAUNCHER)
+    (tmp_path / "opefo_zero3_rewards.py").write_text(REWARDS)
+    data_file = tmp_path / "problems.jsonl"
+    with open(data_file, "w") as f:
+        for i in range(16):
+            f.write(json.dumps({"prompt": f"What is {i + 2} + {3 * i + 1}?", "solution": str(4 * i + 3)}) + "\n")
+    out = str(tmp_path / "run")
+    _launch(tmp_path, tiny_model_path, str(data_file), out, "--max_steps", "1", "--entropy_flow_estimate", "full",
+            "--save_strategy", "no")
+    (rank0,), (rank1,) = _rank_metrics(out, 0), _rank_metrics(out, 1)
+    assert rank0["entropy_flow/lambda"] == rank1["entropy_flow/lambda"]
+    assert rank0["entropy_flow/increase"] > 0 and rank0["entropy_flow/decrease"] > 0
+    assert abs(rank0["opefo/weighted_net"]) <= 1e-5 * (rank0["entropy_flow/increase"] + rank0["entropy_flow/decrease"])
