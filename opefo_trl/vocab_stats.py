@@ -76,6 +76,11 @@ def vocab_stats(
     """
     if token_chunk_size < 1 or vocab_chunk_size < 1:
         raise ValueError("token_chunk_size and vocab_chunk_size must be positive.")
+    if weight.dim() != 2 or weight.shape[0] == 0 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"The LM-head weight must be (vocab, {hidden.shape[-1]}), got {tuple(weight.shape)}; a DeepSpeed ZeRO-3 "
+            "partitioned head has to be gathered first (trl.trainer.utils.maybe_gather_lm_head_ctx)."
+        )
     lead_shape = hidden.shape[:-1]
     flat = hidden.reshape(-1, hidden.shape[-1])
     flat_targets = None if targets is None else targets.reshape(-1).to(flat.device)

@@ -56,3 +56,10 @@ def test_logit_scale_and_softcap_follow_the_trainer_transform():
 def test_bad_chunk_sizes_are_rejected():
     with pytest.raises(ValueError, match="chunk_size"):
         vocab_stats(torch.zeros(1, 2), torch.zeros(3, 2), vocab_chunk_size=0)
+
+
+def test_an_empty_or_mismatched_head_is_a_clear_error():
+    with pytest.raises(ValueError, match="ZeRO-3 partitioned head has to be gathered"):
+        vocab_stats(torch.zeros(2, 8), torch.zeros(0))
+    with pytest.raises(ValueError, match=r"must be \(vocab, 8\)"):
+        vocab_stats(torch.zeros(2, 8), torch.zeros(10, 4))

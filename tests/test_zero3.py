@@ -35,6 +35,10 @@ main(sys.argv[1:])
 REWARDS = """
 def digit_overlap_reward(completions, solution, **kwargs):
     return [sum(d in c[-1]["content"] for d in set(s)) / len(set(s)) for c, s in zip(completions, solution)]
+
+
+def token_sum_reward(completion_ids, **kwargs):
+    return [float(sum(ids) % 3) for ids in completion_ids]
 """
 
 pytestmark = pytest.mark.slow
@@ -116,10 +120,14 @@ def test_opefo_zero3_two_processes_lambda_checkpoint_resume(tmp_path, tiny_model
         assert json.load(f)["global_step"] == 3
 
 
-def test_full_estimate_under_zero3_gathers_the_lm_head(tmp_path, tiny_model_path):
+def test_full_estimate_under_zero3_gathers_the_lm_head(tmp_path):
     """The `full` estimate re-projects hidden states through the LM head, which ZeRO-3 shards to size 0 outside its
     module's forward: the vocabulary pass must gather it, and the two ranks must still agree on lambda*."""
     pytest.importorskip("deepspeed")
+    from opefo_trl.tiny import build_tiny_model
+
+    # 4096 x 64 head: above ZeRO-3's persistence threshold (1e5 elements), so it really is partitioned.
+    tiny_model_path = build_tiny_model(tmp_path / "model", vocab_size=4096)
     (tmp_path / "launch_opefo_train.py").write_text(LAUNCHER)
     (tmp_path / "opefo_zero3_rewards.py").write_text(REWARDS)
     data_file = tmp_path / "problems.jsonl"
@@ -127,9 +135,10 @@ def test_full_estimate_under_zero3_gathers_the_lm_head(tmp_path, tiny_model_path
         for i in range(16):
             f.write(json.dumps({"prompt": f"What is {i + 2} + {3 * i + 1}?", "solution": str(4 * i + 3)}) + "\n")
     out = str(tmp_path / "run")
+    # Most ids of the padded vocabulary decode to no text: reward the ids themselves, so advantages are not all 0.
     _launch(tmp_path, tiny_model_path, str(data_file), out, "--max_steps", "1", "--entropy_flow_estimate", "full",
-            "--save_strategy", "no")
+            "--save_strategy", "no", "--reward_funcs", "opefo_zero3_rewards.token_sum_reward")
     (rank0,), (rank1,) = _rank_metrics(out, 0), _rank_metrics(out, 1)
     assert rank0["entropy_flow/lambda"] == rank1["entropy_flow/lambda"]
-    assert rank0["entropy_flow/increase"] > 0 and rank0["entropy_flow/decrease"] > 0
+    assert rank0["entropy_flow/increase"] > 0 and rank0["entropy_flow/decrease"] > 0, rank0
     assert abs(rank0["opefo/weighted_net"]) <= 1e-5 * (rank0["entropy_flow/increase"] + rank0["entropy_flow/decrease"])
