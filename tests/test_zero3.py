@@ -70,6 +70,17 @@ def _launch(tmp_path, tiny_model_path, data_file, output_dir, *extra):
     return result
 
 
+def _write_launcher_rewards_and_data(tmp_path):
+    """The launcher script, the reward module and a 16-problem JSONL file; returns the data file's path."""
+    (tmp_path / "launch_opefo_train.py").write_text(LAUNCHER)
+    (tmp_path / "opefo_zero3_rewards.py").write_text(REWARDS)
+    data_file = tmp_path / "problems.jsonl"
+    with open(data_file, "w") as f:
+        for i in range(16):
+            f.write(json.dumps({"prompt": f"What is {i + 2} + {3 * i + 1}?", "solution": str(4 * i + 3)}) + "\n")
+    return data_file
+
+
 def _rank_metrics(output_dir, rank):
     with open(os.path.join(output_dir, f"metrics.rank{rank}.jsonl")) as f:
         return [m for m in map(json.loads, f) if "entropy_flow/lambda" in m]
@@ -77,12 +88,7 @@ def _rank_metrics(output_dir, rank):
 
 def test_opefo_zero3_two_processes_lambda_checkpoint_resume(tmp_path, tiny_model_path):
     pytest.importorskip("deepspeed")
-    (tmp_path / "launch_opefo_train.py").write_text(LAUNCHER)
-    (tmp_path / "opefo_zero3_rewards.py").write_text(REWARDS)
-    data_file = tmp_path / "problems.jsonl"
-    with open(data_file, "w") as f:
-        for i in range(16):
-            f.write(json.dumps({"prompt": f"What is {i + 2} + {3 * i + 1}?", "solution": str(4 * i + 3)}) + "\n")
+    data_file = _write_launcher_rewards_and_data(tmp_path)
     out = str(tmp_path / "run")
 
     _launch(tmp_path, tiny_model_path, str(data_file), out, "--max_steps", "2")
@@ -128,12 +134,7 @@ def test_full_estimate_under_zero3_gathers_the_lm_head(tmp_path):
 
     # 4096 x 64 head: above ZeRO-3's persistence threshold (1e5 elements), so it really is partitioned.
     tiny_model_path = build_tiny_model(tmp_path / "model", vocab_size=4096)
-    (tmp_path / "launch_opefo_train.py").write_text(LAUNCHER)
-    (tmp_path / "opefo_zero3_rewards.py").write_text(REWARDS)
-    data_file = tmp_path / "problems.jsonl"
-    with open(data_file, "w") as f:
-        for i in range(16):
-            f.write(json.dumps({"prompt": f"What is {i + 2} + {3 * i + 1}?", "solution": str(4 * i + 3)}) + "\n")
+    data_file = _write_launcher_rewards_and_data(tmp_path)
     out = str(tmp_path / "run")
     # Most ids of the padded vocabulary decode to no text: reward the ids themselves, so advantages are not all 0.
     _launch(tmp_path, tiny_model_path, str(data_file), out, "--max_steps", "1", "--entropy_flow_estimate", "full",
