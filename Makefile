@@ -17,11 +17,12 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed is a pure-Python install on CPU: build no CUDA ops.
 export DS_BUILD_OPS := 0
 
-.PHONY: help install test demo demo-quick bench bench-eval clean
+.PHONY: help install test lint format demo demo-quick bench bench-eval clean
 
 help:
 	@echo "make demo   - set up .venv, train GRPO / OPEFO / baselines on a synthetic task, write plots + table"
 	@echo "make test   - set up .venv and run the offline test suite"
+	@echo "make lint   - ruff lint + format check (make format rewrites)"
 	@echo "make bench  - step-time and peak-memory ratios vs TRL's GRPOTrainer"
 	@echo "make bench-eval - batched evaluation vs one-prompt-at-a-time generate"
 
@@ -45,6 +46,14 @@ install: $(VENV)/.installed
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 demo: install
 	$(PY) -m opefo_trl.demo --output-dir $(DEMO_OUT) $(DEMO_ARGS)

@@ -47,7 +47,9 @@ def main(argv=None):
     from opefo_trl.evaluation import EvaluationConfig, Problem, SampleJob, TransformersBackend, build_prompt_ids
     from opefo_trl.tiny import build_tiny_model
 
-    model_dir = args.model_dir or os.path.join(tempfile.gettempdir(), f"opefo-bench-eval-{args.hidden_size}-{args.num_layers}")
+    model_dir = args.model_dir or os.path.join(
+        tempfile.gettempdir(), f"opefo-bench-eval-{args.hidden_size}-{args.num_layers}"
+    )
     build_tiny_model(model_dir, hidden_size=args.hidden_size, num_layers=args.num_layers)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -66,7 +68,7 @@ def main(argv=None):
     prompt_ids = build_prompt_ids(tokenizer, problems, config.prompt_template)
     jobs = [
         SampleJob("bench", p.problem_id, s, p.fingerprint, tuple(ids))
-        for p, ids in zip(problems, prompt_ids)
+        for p, ids in zip(problems, prompt_ids, strict=True)
         for s in range(args.num_samples)
     ]
     total = len(jobs)
@@ -79,7 +81,9 @@ def main(argv=None):
     # Warm-up (first-call allocations), not timed.
     next(backend.run(jobs[:2]))
     model.generate(
-        input_ids=torch.tensor([prompt_ids[0]], device=device), max_new_tokens=4, do_sample=True,
+        input_ids=torch.tensor([prompt_ids[0]], device=device),
+        max_new_tokens=4,
+        do_sample=True,
         pad_token_id=backend.pad_id,
     )
 
@@ -125,7 +129,10 @@ def main(argv=None):
     for name, seconds, tokens in rows:
         print(f"{name:32s} {seconds:8.2f} {total / seconds:10.2f} {tokens / seconds:10.1f}")
     ratio = loop_s / batched_s
-    print(f"speed-up (samples/s) batched vs one prompt per call: {ratio:.2f}x  (target >= 2x: {'PASS' if ratio >= 2 else 'FAIL'})")
+    print(
+        f"speed-up (samples/s) batched vs one prompt per call: {ratio:.2f}x  "
+        f"(target >= 2x: {'PASS' if ratio >= 2 else 'FAIL'})"
+    )
     if args.single:
         print(f"speed-up batched vs one sample per call: {rows[2][1] / batched_s:.2f}x")
     return ratio

@@ -8,7 +8,8 @@ warm-up and not timed); configurations are interleaved over `--repeats` rounds s
 per configuration: median seconds per optimizer step (generation included, as a user experiences it), the same
 without the time spent sampling completions (TRL's `_generate`, identical code for every method), peak
 memory above the level at the start of the run (CUDA allocator peak on GPU; sampled malloc heap on CPU), the number
-of backbone passes per optimizer step other than single-token decoding (prefill + scoring), and each as a ratio to the GRPOTrainer run of the same batch layout.
+of backbone passes per optimizer step other than single-token decoding (prefill + scoring), and each as a ratio to
+the GRPOTrainer run of the same batch layout.
 Then the `full` estimate's vocabulary pass is timed against a plain logsumexp over the same hidden states and head.
 """
 
@@ -42,8 +43,21 @@ def length_reward(completions, **kwargs):
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _heap_in_use() -> int:
@@ -169,7 +183,12 @@ def run(model_path, dataset, trainer_class, extra, args_ns, accumulation, output
     timed = timer.times[1:] or timer.times
     sampling = sampling_times[1:] or sampling_times
     scoring_forwards = (forwards[0] - generation_calls[0]) / args_ns.steps
-    return statistics.median(timed), memory.bytes, scoring_forwards, statistics.median(timed) - statistics.median(sampling)
+    return (
+        statistics.median(timed),
+        memory.bytes,
+        scoring_forwards,
+        statistics.median(timed) - statistics.median(sampling),
+    )
 
 
 def bench_vocab_pass(hidden_size: int, vocab: int, tokens: int, repeats: int = 5):
@@ -218,14 +237,18 @@ def main(argv=None):
     torch.set_num_threads(max(1, torch.get_num_threads()))
     work = tempfile.mkdtemp(prefix="opefo-bench-")
     model_path = build_tiny_model(
-        os.path.join(work, "model"), vocab_size=args.vocab_size, hidden_size=args.hidden_size,
+        os.path.join(work, "model"),
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
         max_position_embeddings=args.completion_length + 64,
     )
     prompts = [{"prompt": [{"role": "user", "content": f"What is {i} + {i + 3}?"}]} for i in range(64)]
     dataset = Dataset.from_list(prompts)
     device = "cuda" if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
-    print(f"device: {device}; vocab {args.vocab_size}, hidden {args.hidden_size}, {args.completions} completions x "
-          f"{args.completion_length} tokens per optimizer step, {args.steps} steps x {args.repeats} repeats\n")
+    print(
+        f"device: {device}; vocab {args.vocab_size}, hidden {args.hidden_size}, {args.completions} completions x "
+        f"{args.completion_length} tokens per optimizer step, {args.steps} steps x {args.repeats} repeats\n"
+    )
 
     for accumulation in args.accumulation:
         configs = configurations(accumulation)
@@ -262,7 +285,8 @@ def main(argv=None):
     plain, stats = bench_vocab_pass(args.vocab_pass_hidden_size, args.vocab_size, args.vocab_pass_tokens)
     print(
         f"vocabulary pass ({args.vocab_pass_tokens} tokens x hidden {args.vocab_pass_hidden_size} x vocab "
-        f"{args.vocab_size}): logsumexp {plain * 1e3:.1f} ms, vocab_stats {stats * 1e3:.1f} ms, ratio {stats / plain:.3f}"
+        f"{args.vocab_size}): logsumexp {plain * 1e3:.1f} ms, vocab_stats {stats * 1e3:.1f} ms, "
+        f"ratio {stats / plain:.3f}"
     )
     return 0
 

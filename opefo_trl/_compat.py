@@ -20,7 +20,8 @@ def check_trl_version(version: str | None = None) -> str:
             import trl
         except ImportError as err:  # pragma: no cover - trl is a hard dependency
             raise ImportError(
-                f"opefo-trl needs TRL >={TRL_MIN},<{TRL_MAX_EXCLUSIVE}: `pip install 'trl>={TRL_MIN},<{TRL_MAX_EXCLUSIVE}'`."
+                f"opefo-trl needs TRL >={TRL_MIN},<{TRL_MAX_EXCLUSIVE}: "
+                f"`pip install 'trl>={TRL_MIN},<{TRL_MAX_EXCLUSIVE}'`."
             ) from err
         version = trl.__version__
     parsed = Version(version)

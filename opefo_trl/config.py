@@ -14,7 +14,6 @@ from trl import GRPOConfig  # noqa: E402
 from .entropy_flow import FLOW_ESTIMATES  # noqa: E402
 from .methods import TOKEN_METHODS, get_token_method_class  # noqa: E402
 
-
 #: Free-text GRPOConfig options and the values TRL 1.16 accepts for them.
 TRL_CHOICES = {
     "loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"),

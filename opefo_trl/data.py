@@ -12,13 +12,13 @@ Presets (`DATASET_PRESETS`) cover the data sets of the OPEFO comparison and two 
 | preset | hub id (config) | problem | gold answer |
 |---|---|---|---|
 | `dapo-math-17k` | `open-r1/DAPO-Math-17k-Processed` (`en`) | `prompt` | `solution` |
-| `dapo-math-17k-raw` | `BytedTsinghua-SIA/DAPO-Math-17k` | user turn of `prompt`, instruction removed | `reward_model.ground_truth` |
+| `dapo-math-17k-raw` | `BytedTsinghua-SIA/DAPO-Math-17k` | `prompt` user turn | `reward_model.ground_truth` |
 | `math-lighteval` | `DigitalLearningGmbH/MATH-lighteval` | `problem` | last `\\boxed{...}` of `solution` |
 | `gsm8k` | `openai/gsm8k` (`main`) | `question` | text after `####` in `answer` |
 
-The raw DAPO set is deduplicated by problem text. Any other hub id, local data set directory, or local JSON / JSONL / Parquet / CSV file works too, with the problem
-and answer columns named explicitly. `data_files` replaces the hub download with local files of the preset's format
-(offline runs and tests).
+The raw DAPO set is deduplicated by problem text (its instruction removed). Any other hub id, local data set directory,
+or local JSON / JSONL / Parquet / CSV file works too, with the problem and answer columns named explicitly. `data_files`
+replaces the hub download with local files of the preset's format (offline runs and tests).
 
 Examples:
     >>> ds = load_math_dataset("gsm8k", template="qwen_math_boxed")  # doctest: +SKIP
@@ -152,8 +152,8 @@ def extract_boxed_answer(text: str) -> str | None:
 def extract_gsm8k_answer(text: str) -> str | None:
     """The final answer after ``####`` in a GSM8K solution, thousands separators removed; None if absent.
 
-        >>> extract_gsm8k_answer("She pays 1,200 dollars.\\n#### 1,200")
-        '1200'
+    >>> extract_gsm8k_answer("She pays 1,200 dollars.\\n#### 1,200")
+    '1200'
     """
     if not isinstance(text, str) or "####" not in text:
         return None
@@ -237,7 +237,7 @@ def _problem_texts(values, column: str) -> list[str]:
         roles = pc.struct_field(messages, "role").to_pylist()
         contents = pc.struct_field(messages, "content").to_pylist()
         rows = [None] * len(values)
-        for row, role, content in zip(parents, roles, contents):
+        for row, role, content in zip(parents, roles, contents, strict=True):
             if role == "user":
                 rows[row] = content
         missing = next((i for i, text in enumerate(rows) if not isinstance(text, str)), None)
@@ -338,10 +338,10 @@ def resolve_dataset_source(
 def local_file_builder(data_files: Sequence[str]) -> str:
     """The `datasets` builder (json / parquet / csv) for local files, checking that they exist and agree.
 
-        >>> local_file_builder(["/nonexistent.txt"])
-        Traceback (most recent call last):
-        ...
-        FileNotFoundError: Data file '/nonexistent.txt' does not exist.
+    >>> local_file_builder(["/nonexistent.txt"])
+    Traceback (most recent call last):
+    ...
+    FileNotFoundError: Data file '/nonexistent.txt' does not exist.
     """
     if isinstance(data_files, (str, os.PathLike)):
         data_files = [data_files]
@@ -550,9 +550,7 @@ def check_prompt_lengths(
         f"model's context of {max_position_embeddings} tokens (max_position_embeddings)"
     )
     if not drop_overlong:
-        raise ValueError(
-            f"{detail}. Lower max_completion_length, or set drop_overlong_prompts to drop those prompts."
-        )
+        raise ValueError(f"{detail}. Lower max_completion_length, or set drop_overlong_prompts to drop those prompts.")
     if len(overlong) == len(lengths):
         raise ValueError(f"{detail}; dropping them would leave no data. Lower max_completion_length.")
     logger.warning("%s; dropping them (drop_overlong_prompts).", detail)

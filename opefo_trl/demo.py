@@ -80,11 +80,13 @@ def demo_methods(entropy_coef: float) -> dict[str, DemoMethod]:
             DemoMethod("grpo", "strict on-policy GRPO", {"method": "grpo"}),
             DemoMethod("opefo", "OPEFO (entropy-flow balancing, lambda*)", {"method": "opefo"}),
             DemoMethod(
-                "entropy_reg", f"GRPO + entropy bonus (entropy_coef={entropy_coef:g})",
+                "entropy_reg",
+                f"GRPO + entropy bonus (entropy_coef={entropy_coef:g})",
                 {"method": "grpo", "entropy_coef": entropy_coef},
             ),
             DemoMethod(
-                "opefo_full", "OPEFO with the exact first-order flow estimate",
+                "opefo_full",
+                "OPEFO with the exact first-order flow estimate",
                 {"method": "opefo", "entropy_flow_estimate": "full"},
             ),
             DemoMethod("clip_cov", "Clip-Cov", {"method": "clip_cov"}),
@@ -162,8 +164,13 @@ class DemoSettings:
             if len(set(values)) != len(values):
                 raise ValueError(f"--{name} has duplicates: {values}.")
         positive = (
-            "steps", "warm_start_batch_size", "prompts_per_step", "max_completion_length", "hidden_size",
-            "num_layers", "threads",
+            "steps",
+            "warm_start_batch_size",
+            "prompts_per_step",
+            "max_completion_length",
+            "hidden_size",
+            "num_layers",
+            "threads",
         )
         for name in positive:
             if getattr(self, name) < 1:
@@ -195,8 +202,15 @@ WARM_START_MARKER = "demo_warm_start.json"
 
 def _warm_start_key(settings: DemoSettings) -> dict:
     keys = (
-        "min_target", "max_target", "hidden_size", "num_layers", "warm_start_steps", "warm_start_batch_size",
-        "warm_start_learning_rate", "warm_start_wrong_fraction", "warm_start_seed",
+        "min_target",
+        "max_target",
+        "hidden_size",
+        "num_layers",
+        "warm_start_steps",
+        "warm_start_batch_size",
+        "warm_start_learning_rate",
+        "warm_start_wrong_fraction",
+        "warm_start_seed",
     )
     return {k: getattr(settings, k) for k in keys}
 
@@ -616,7 +630,7 @@ def _run_demo(output_dir: str, settings: DemoSettings, methods: dict[str, DemoMe
             )
 
     runs = load_runs([r.run_dir for r in results])
-    groups = {run.label: result.method for run, result in zip(runs, results)}
+    groups = {run.label: result.method for run, result in zip(runs, results, strict=True)}
     figure = plot_runs(
         runs,
         os.path.join(output_dir, "curves.png"),

@@ -160,9 +160,7 @@ def lambda_star(increase: torch.Tensor, decrease: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def token_weights(
-    flow: torch.Tensor, lam: torch.Tensor | float, sides: str = "both"
-) -> torch.Tensor:
+def token_weights(flow: torch.Tensor, lam: torch.Tensor | float, sides: str = "both") -> torch.Tensor:
     """Detached fp32 weights: 1 + lambda on S+, 1 - lambda on S-, 1 where d_t = 0.
 
     ``sides="increase_only"`` rescales only S+ (S- keeps weight 1), ``"decrease_only"`` only S-.

@@ -122,8 +122,8 @@ class BenchmarkSpec:
         except Exception as err:
             where = source or f"{self.dataset_id} (split {self.split!r})"
             raise RuntimeError(
-                f"Could not load benchmark {self.name!r} from {where}: {type(err).__name__}: {err}. Offline, download it "
-                f"beforehand or pass a local copy with benchmark_files={self.name}=PATH."
+                f"Could not load benchmark {self.name!r} from {where}: {type(err).__name__}: {err}. "
+                f"Offline, download it beforehand or pass a local copy with benchmark_files={self.name}=PATH."
             ) from err
 
 
@@ -358,7 +358,8 @@ def resolve_benchmarks(config: EvaluationConfig) -> list[ResolvedBenchmark]:
             too_large = [k for k in config.pass_at_k if k > n]
             if too_large:
                 raise ValueError(
-                    f"pass@{too_large[0]} was requested but benchmark {spec.name!r} is sampled n={n} times per problem; "
+                    f"pass@{too_large[0]} was requested but benchmark {spec.name!r} is sampled n={n} "
+                    f"times per problem; "
                     f"pass@k needs k <= n. Raise num_samples to at least {max(too_large)} or drop those k values."
                 )
             k_values = tuple(sorted(set(config.pass_at_k)))
@@ -443,9 +444,7 @@ def resolve_model_source(model_name_or_path: str, base_model_name_or_path: str |
             return ModelSource(base_path, adapter_path=path, tokenizer_path=path if has_tokenizer else base_path)
         if os.path.isfile(os.path.join(path, "config.json")):
             return ModelSource(path, tokenizer_path=path)
-        raise FileNotFoundError(
-            f"{path} holds neither a model (config.json) nor a PEFT adapter (adapter_config.json)."
-        )
+        raise FileNotFoundError(f"{path} holds neither a model (config.json) nor a PEFT adapter (adapter_config.json).")
     if os.path.exists(path) or _looks_local(model_name_or_path):
         raise FileNotFoundError(f"Model path {model_name_or_path!r} does not exist.")
     return ModelSource(model_name_or_path, tokenizer_path=model_name_or_path)
@@ -465,7 +464,8 @@ def select_backend(requested: str, vllm_available: bool | None = None, cuda_avai
         ImportError: ``"vllm"`` was asked for but vLLM is not installed.
 
     Example:
-        >>> select_backend("auto", vllm_available=False), select_backend("auto", vllm_available=True, cuda_available=True)
+        >>> auto = "auto"
+        >>> select_backend(auto, vllm_available=False), select_backend(auto, vllm_available=True, cuda_available=True)
         ('transformers', 'vllm')
     """
     if requested not in BACKENDS:
@@ -527,8 +527,8 @@ def build_prompt_ids(tokenizer, problems: Sequence[Problem], template: str) -> l
     """
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
-            f"The tokenizer of {getattr(tokenizer, 'name_or_path', 'the model')} has no chat template, which the prompt "
-            "templates need; use a tokenizer that has one (e.g. the instruct model's)."
+            f"The tokenizer of {getattr(tokenizer, 'name_or_path', 'the model')} has no chat template, "
+            "which the prompt templates need; use a tokenizer that has one (e.g. the instruct model's)."
         )
     texts = [
         tokenizer.apply_chat_template(format_prompt(p.question, template), tokenize=False, add_generation_prompt=True)
@@ -543,8 +543,9 @@ def context_length_warning(
     """A warning when the longest prompt plus ``max_new_tokens`` exceeds the model's context (``None`` if it fits).
 
     Example:
-        >>> context_length_warning([[1] * 1200], 3000, 4096)
-        'The longest prompt (1200 tokens) plus max_new_tokens=3000 exceeds the model context of 4096 tokens; long samples will run past it (lower max_new_tokens).'
+        >>> print(context_length_warning([[1] * 1200], 3000, 4096))  # doctest: +NORMALIZE_WHITESPACE
+        The longest prompt (1200 tokens) plus max_new_tokens=3000 exceeds the model context of 4096 tokens;
+        long samples will run past it (lower max_new_tokens).
     """
     longest = max((len(ids) for ids in prompt_ids), default=0)
     if context_length is None or longest + max_new_tokens <= context_length:
@@ -637,7 +638,9 @@ class SampleStore:
                     logger.warning("Dropping a truncated last line of %s (interrupted write).", self.samples_path)
                     self._rewrite_without_last_line(lines)
                     break
-                raise ValueError(f"{self.samples_path}, line {number}, is not valid JSON; fix or remove the file.")
+                raise ValueError(
+                    f"{self.samples_path}, line {number}, is not valid JSON; fix or remove the file."
+                ) from None
             self.samples[(record["benchmark"], record["problem_id"], record["sample_index"])] = record
 
     def _rewrite_without_last_line(self, lines: list[str]) -> None:
@@ -690,7 +693,7 @@ def pending_jobs(
 ) -> list[SampleJob]:
     """The samples of ``benchmark`` not yet in ``store``, in (problem, sample) order."""
     jobs = []
-    for problem, ids in zip(problems, prompt_ids):
+    for problem, ids in zip(problems, prompt_ids, strict=True):
         for index in range(benchmark.num_samples):
             if store.get(benchmark.name, problem.problem_id, index) is None:
                 jobs.append(SampleJob(benchmark.name, problem.problem_id, index, problem.fingerprint, tuple(ids)))
@@ -761,7 +764,9 @@ class TransformersBackend:
         if tokenizer.eos_token_id is not None:
             eos_ids.add(tokenizer.eos_token_id)
         if not eos_ids:
-            raise ValueError("Neither the model's generation_config nor the tokenizer defines an end-of-sequence token.")
+            raise ValueError(
+                "Neither the model's generation_config nor the tokenizer defines an end-of-sequence token."
+            )
         self.eos_ids = sorted(eos_ids)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self._sampler_cls = _make_seeded_gumbel_processor()
@@ -884,7 +889,7 @@ class VLLMBackend:
                 use_tqdm=False,
             )
             samples = []
-            for group, output in zip(chunk, outputs):
+            for group, output in zip(chunk, outputs, strict=True):
                 if len(output.outputs) != len(group):
                     raise RuntimeError(f"vLLM returned {len(output.outputs)} samples, {len(group)} were requested.")
                 for completion in output.outputs:

@@ -29,8 +29,9 @@ Example:
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -290,7 +291,11 @@ class ClipCov(TokenMethod):
     """
 
     def __init__(
-        self, ratio: float = 2e-4, lower: float = 1.0, upper: float = 5.0, epsilon_low: float = 0.2,
+        self,
+        ratio: float = 2e-4,
+        lower: float = 1.0,
+        upper: float = 5.0,
+        epsilon_low: float = 0.2,
         epsilon_high: float = 0.2,
     ) -> None:
         super().__init__()
@@ -308,7 +313,7 @@ class ClipCov(TokenMethod):
         return cls(args.clip_cov_ratio, args.clip_cov_lb, args.clip_cov_ub, args.epsilon, epsilon_high)
 
     def ppo_clipped(self, batch: TokenBatch) -> torch.Tensor:
-        """Tokens whose gradient PPO's clip already removes (ratio outside the trust region, in the clipped direction)."""
+        """Tokens whose gradient PPO's clip already removes (ratio outside the trust region, clipped direction)."""
         if batch.old_logps is None:
             return torch.zeros_like(batch.mask, dtype=torch.bool)
         ratio = (batch.logps - batch.old_logps).exp()

@@ -61,7 +61,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if k < 1:
         raise ValueError(f"k must be at least 1, got k={k}.")
     if k > n:
-        raise ValueError(f"pass@{k} needs at least {k} samples per problem, but only n={n} were drawn: raise n or lower k.")
+        raise ValueError(
+            f"pass@{k} needs at least {k} samples per problem, but only n={n} were drawn: raise n or lower k."
+        )
     if n - c < k:
         return 1.0
     return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1, dtype=np.float64)))
@@ -74,13 +76,13 @@ def mean_pass_at_k(num_samples: Sequence[int], num_correct: Sequence[int], k: in
         ValueError: on mismatched lengths, no problems, or any problem with fewer than ``k`` samples.
     """
     num_samples, num_correct = _as_counts(num_samples, num_correct)
-    return float(np.mean([pass_at_k(n, c, k) for n, c in zip(num_samples, num_correct)]))
+    return float(np.mean([pass_at_k(n, c, k) for n, c in zip(num_samples, num_correct, strict=True)]))
 
 
 def avg_at_n(num_samples: Sequence[int], num_correct: Sequence[int]) -> float:
     """Mean over problems of the fraction of correct samples (avg@n, an unbiased estimate of pass@1)."""
     num_samples, num_correct = _as_counts(num_samples, num_correct)
-    for n, c in zip(num_samples, num_correct):
+    for n, c in zip(num_samples, num_correct, strict=True):
         _check_counts(int(n), int(c))
     return float(np.mean(num_correct / num_samples))
 
@@ -121,7 +123,7 @@ def majority_vote(answers: Sequence[Hashable | None], correct: Sequence[bool]) -
         return None, False
     top = max(votes.values())
     winner = next(a for a in answers if a is not None and votes[a] == top)
-    return winner, any(bool(ok) for a, ok in zip(answers, correct) if a == winner)
+    return winner, any(bool(ok) for a, ok in zip(answers, correct, strict=True) if a == winner)
 
 
 def mean_majority_accuracy(answers_per_problem: Sequence[Sequence], correct_per_problem: Sequence[Sequence]) -> float:
@@ -130,4 +132,6 @@ def mean_majority_accuracy(answers_per_problem: Sequence[Sequence], correct_per_
         raise ValueError("answers_per_problem and correct_per_problem must have one entry per problem.")
     if not answers_per_problem:
         raise ValueError("No problems to average over.")
-    return float(np.mean([majority_vote(a, c)[1] for a, c in zip(answers_per_problem, correct_per_problem)]))
+    return float(
+        np.mean([majority_vote(a, c)[1] for a, c in zip(answers_per_problem, correct_per_problem, strict=True)])
+    )

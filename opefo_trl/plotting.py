@@ -233,7 +233,7 @@ def plot_runs(
     axes = fig.subplots(nrows, ncols, squeeze=False)
     colors = rcParams["axes.prop_cycle"].by_key()["color"]
     plotted: list[str] = []
-    for ax, panel in zip(axes.flat, shown):
+    for ax, panel in zip(axes.flat, shown, strict=True):
         for g, (name, members) in enumerate(grouped.items()):
             color = colors[g % len(colors)]
             for k, metric in enumerate(panel.metrics):

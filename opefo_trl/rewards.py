@@ -361,10 +361,10 @@ def math_accuracy_reward(
     """
     if len(completions) != len(solution):
         raise ValueError(
-            f"math_accuracy_reward got {len(completions)} completions but {len(solution)} solutions; the data set needs "
-            "a `solution` column with one gold answer per prompt."
+            f"math_accuracy_reward got {len(completions)} completions but {len(solution)} solutions; "
+            "the data set needs a `solution` column with one gold answer per prompt."
         )
-    results = [verify_completion(completion_to_text(c), gold) for c, gold in zip(completions, solution)]
+    results = [verify_completion(completion_to_text(c), gold) for c, gold in zip(completions, solution, strict=True)]
     failures = [r for r in results if r.status == FAILED]
     num_gold_unparseable = sum(r.status == GOLD_UNPARSEABLE for r in results)
     if failures:

@@ -47,9 +47,7 @@ def _check_targets(targets: Sequence[int]) -> list[int]:
         raise ValueError("`targets` is empty: give at least one target number (e.g. range(6, 26)).")
     too_small = [t for t in targets if t < 2]
     if too_small:
-        raise ValueError(
-            f"Targets {too_small} cannot be written as a sum of two positive numbers; use targets >= 2."
-        )
+        raise ValueError(f"Targets {too_small} cannot be written as a sum of two positive numbers; use targets >= 2.")
     return targets
 
 
@@ -111,7 +109,7 @@ def correct_sum_reward(completions: Sequence, target: Sequence[int], **kwargs) -
         raise ValueError("correct_sum_reward needs the dataset's `target` column; build data with build_sum_dataset().")
     if len(target) != len(completions):
         raise ValueError(f"Got {len(completions)} completions but {len(target)} targets; they must match one to one.")
-    return [float(is_correct_sum(completion_text(c), t)) for c, t in zip(completions, target)]
+    return [float(is_correct_sum(completion_text(c), t)) for c, t in zip(completions, target, strict=True)]
 
 
 @dataclass(frozen=True)

@@ -266,7 +266,9 @@ class OPEFOTrainer(GRPOTrainer):
 
     def _score_rollout(self, output: dict) -> dict:
         """One no-grad forward of the current policy over the local rollout batch (text-only)."""
-        multimodal = sorted(k for k in ("pixel_values", "image_grid_thw", "num_images", "token_type_ids") if k in output)
+        multimodal = sorted(
+            k for k in ("pixel_values", "image_grid_thw", "num_images", "token_type_ids") if k in output
+        )
         if multimodal:
             raise NotImplementedError(
                 f"OPEFOTrainer's own scoring pass is text-only, but this rollout has {multimodal}. Use one micro-batch "
@@ -376,7 +378,9 @@ class OPEFOTrainer(GRPOTrainer):
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
         if self.args.should_save:
-            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            folder = os.path.join(
+                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            )
             with open(os.path.join(folder, METHOD_STATE_NAME), "w") as f:
                 json.dump({"method": self.args.method, "state": self.token_method.state_dict()}, f)
 

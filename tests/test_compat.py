@@ -10,7 +10,9 @@ def test_supported_trl_versions_pass(version):
 
 @pytest.mark.parametrize("version", ["1.15.0", "0.29.1", "1.17.0", "2.0.0"])
 def test_unsupported_trl_versions_fail_with_the_range_and_the_fix(version):
-    with pytest.raises(ImportError, match=rf"supports TRL >={TRL_MIN},<{TRL_MAX_EXCLUSIVE}, but TRL {version}.*pip install"):
+    with pytest.raises(
+        ImportError, match=rf"supports TRL >={TRL_MIN},<{TRL_MAX_EXCLUSIVE}, but TRL {version}.*pip install"
+    ):
         check_trl_version(version)
 
 

@@ -69,5 +69,11 @@ def test_every_field_has_help_text():
     from trl import GRPOConfig
 
     new = [f for f in dataclasses.fields(OPEFOConfig) if f.name not in {g.name for g in dataclasses.fields(GRPOConfig)}]
-    assert {f.name for f in new} >= {"method", "entropy_flow_estimate", "opefo_lambda", "opefo_sides", "allow_off_policy"}
+    assert {f.name for f in new} >= {
+        "method",
+        "entropy_flow_estimate",
+        "opefo_lambda",
+        "opefo_sides",
+        "allow_off_policy",
+    }
     assert all(f.metadata.get("help") for f in new)

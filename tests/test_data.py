@@ -83,8 +83,13 @@ def test_extract_gsm8k_answer(text, expected):
 
 def test_dapo_processed_parquet(tmp_path):
     rows = [  # the hub set's columns; source_prompt is the original chat
-        {"prompt": problem, "solution": "2", "data_source": "math_dapo", "ability": "MATH",
-         "source_prompt": [{"role": "user", "content": problem}]}
+        {
+            "prompt": problem,
+            "solution": "2",
+            "data_source": "math_dapo",
+            "ability": "MATH",
+            "source_prompt": [{"role": "user", "content": problem}],
+        }
         for problem in ("What is $1+1$?", "Compute $\\frac{6}{3}$.")
     ]
     path = _write_parquet(tmp_path / "dapo.parquet", rows)
@@ -178,7 +183,11 @@ def test_local_csv_with_custom_columns_and_max_samples(tmp_path):
     path = tmp_path / "problems.csv"
     path.write_text("id,question,final\n1,What is 6*7?,42\n2,What is 10-3?,7\n3,What is 2^5?,32\n")
     ds = load_math_dataset(
-        "local", template="plain", data_files=[str(path)], problem_column="question", answer_column="final",
+        "local",
+        template="plain",
+        data_files=[str(path)],
+        problem_column="question",
+        answer_column="final",
         max_samples=2,
     )
     assert ds["solution"] == ["42", "7"]  # integers read by CSV become text
@@ -241,7 +250,11 @@ def test_presets_and_overrides_resolve():
     assert set(DATASET_PRESETS) == {"dapo-math-17k", "dapo-math-17k-raw", "math-lighteval", "gsm8k"}
     source = resolve_dataset_source("gsm8k", config="socratic", answer_column="final")
     assert (source.hub_id, source.config, source.problem_column, source.answer_column, source.answer_format) == (
-        "openai/gsm8k", "socratic", "question", "final", "gsm8k"
+        "openai/gsm8k",
+        "socratic",
+        "question",
+        "final",
+        "gsm8k",
     )
 
 
@@ -265,7 +278,7 @@ def _prompts(problems):
 def test_prompt_token_lengths_match_the_trainers_rendering(tiny_tokenizer):
     ds = _prompts(["What is 1 + 1?", "What is " + "1 + " * 30 + "1?"])
     lengths = prompt_token_lengths(ds, tiny_tokenizer)
-    for row, length in zip(ds, lengths):
+    for row, length in zip(ds, lengths, strict=True):
         rendered = tiny_tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
         assert length == len(tiny_tokenizer(rendered, add_special_tokens=False)["input_ids"])
     assert lengths[1] > lengths[0]
@@ -298,8 +311,10 @@ def test_completion_longer_than_context_is_an_error(tiny_tokenizer):
 
 
 def test_chat_problem_column_uses_last_user_turn_and_rejects_chats_without_one(tmp_path):
-    good = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 5 - 2?"}],
-            "answer": "3"}
+    good = {
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 5 - 2?"}],
+        "answer": "3",
+    }
     bad = {"messages": [{"role": "system", "content": "Only a system turn."}], "answer": "1"}
     options = dict(template="plain", problem_column="messages", answer_column="answer")
     ds = load_math_dataset("local", data_files=[_write_jsonl(tmp_path / "good.jsonl", [good])], **options)

@@ -21,11 +21,16 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 # The smallest budget that still runs every stage: tiny model, a few warm-start steps, 2 RL steps per run.
 TINY = [
-    "--warm-start-steps", "3",
-    "--steps", "2",
-    "--prompts-per-step", "2",
-    "--num-generations", "4",
-    "--eval-samples", "2",
+    "--warm-start-steps",
+    "3",
+    "--steps",
+    "2",
+    "--prompts-per-step",
+    "2",
+    "--num-generations",
+    "4",
+    "--eval-samples",
+    "2",
 ]
 
 
@@ -98,7 +103,7 @@ def _history(entropies, rewards, lambdas):
             "entropy_flow/decrease": 1.0 + lam,
             "entropy_flow/net": -lam,
         }
-        for i, (h, r, lam) in enumerate(zip(entropies, rewards, lambdas))
+        for i, (h, r, lam) in enumerate(zip(entropies, rewards, lambdas, strict=True))
     ]
     return rows + [{"step": len(rows), "train_runtime": 3.0}]
 
@@ -123,9 +128,20 @@ def test_summarize_history_refuses_runs_without_flow_metrics():
 
 def _result(method, seed, entropy_final, seconds=10.0):
     return RunResult(
-        method=method, seed=seed, run_dir=f"runs/{method}-seed{seed}", steps=8, seconds=seconds,
-        entropy_start=0.9, entropy_final=entropy_final, entropy_min=entropy_final, reward_start=0.5,
-        reward_final=0.75, lambda_mean=0.25, net_flow_mean=-1.0, accuracy=0.5, distinct_correct_per_prompt=3.0,
+        method=method,
+        seed=seed,
+        run_dir=f"runs/{method}-seed{seed}",
+        steps=8,
+        seconds=seconds,
+        entropy_start=0.9,
+        entropy_final=entropy_final,
+        entropy_min=entropy_final,
+        reward_start=0.5,
+        reward_final=0.75,
+        lambda_mean=0.25,
+        net_flow_mean=-1.0,
+        accuracy=0.5,
+        distinct_correct_per_prompt=3.0,
     )
 
 

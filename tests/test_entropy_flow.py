@@ -39,8 +39,12 @@ def test_full_estimate_matches_exact_entropy_change_of_a_small_step(seed, advant
     eta = 1e-4
     q = _softmax_quantities(logits, action)
     flow = entropy_flow(
-        q["logps"], q["entropies"], torch.tensor([advantage], dtype=torch.float64), "full",
-        q["sum_sq_probs"], q["sum_sq_probs_log_probs"],
+        q["logps"],
+        q["entropies"],
+        torch.tensor([advantage], dtype=torch.float64),
+        "full",
+        q["sum_sq_probs"],
+        q["sum_sq_probs_log_probs"],
     )
     pi = torch.softmax(logits, -1)
     step = eta * advantage * (torch.nn.functional.one_hot(torch.tensor(action), 50).double() - pi)

@@ -127,7 +127,10 @@ def test_local_stand_ins_of_hub_formats(tmp_path):
     # OlympiadBench: `question` + `final_answer` as a list; AMC23: `question` + numeric `answer`.
     olympiad = tmp_path / "olympiad.parquet"
     datasets.Dataset.from_list(
-        [{"question": "Find x and y.", "final_answer": ["$1$", "$2$"]}, {"question": "Half?", "final_answer": ["$\\frac{1}{2}$"]}]
+        [
+            {"question": "Find x and y.", "final_answer": ["$1$", "$2$"]},
+            {"question": "Half?", "final_answer": ["$\\frac{1}{2}$"]},
+        ]
     ).to_parquet(str(olympiad))
     amc = _write_jsonl(tmp_path / "amc.jsonl", [{"question": "3 * 9?", "answer": 27.0}])
     config = EvaluationConfig(
@@ -322,7 +325,9 @@ def test_complete_rerun_does_not_load_the_model(full_run, tiny_model_path, bench
     assert again["benchmarks"] == results["benchmarks"]
 
 
-def test_interrupted_run_resumes_to_the_uninterrupted_result(full_run, tiny_model_path, bench_file, tmp_path, monkeypatch):
+def test_interrupted_run_resumes_to_the_uninterrupted_result(
+    full_run, tiny_model_path, bench_file, tmp_path, monkeypatch
+):
     out_full, results_full = full_run
     expected, _ = _read_samples(out_full)
     real_generate = TransformersBackend.generate
@@ -425,8 +430,13 @@ def test_missing_column_lists_the_columns(tiny_model_path, tmp_path, no_model_lo
 def test_custom_columns_of_a_local_file(tiny_model_path, tmp_path):
     bench = _write_jsonl(tmp_path / "qa.jsonl", [{"question": "1+1?", "solution": "2"}])
     config = _config(
-        tiny_model_path, bench, tmp_path / "out", question_column="question", answer_column="solution",
-        num_samples=1, max_new_tokens=2,
+        tiny_model_path,
+        bench,
+        tmp_path / "out",
+        question_column="question",
+        answer_column="solution",
+        num_samples=1,
+        max_new_tokens=2,
     )
     results = evaluate(config)
     (row,) = results["benchmarks"]["qa"]["problems"]
@@ -479,9 +489,23 @@ def test_invalid_options(overrides, message, bench_file, tmp_path):
 def test_cli_runs_and_reports_bad_input(tiny_model_path, bench_file, tmp_path, capsys):
     from opefo_trl.cli.evaluate import main
 
-    args = ["--model_name_or_path", tiny_model_path, "--benchmarks", bench_file, "--num_samples", "2",
-            "--max_new_tokens", "3", "--max_problems", "2", "--backend", "transformers", "--no_progress",
-            "--output_dir", str(tmp_path)]
+    args = [
+        "--model_name_or_path",
+        tiny_model_path,
+        "--benchmarks",
+        bench_file,
+        "--num_samples",
+        "2",
+        "--max_new_tokens",
+        "3",
+        "--max_problems",
+        "2",
+        "--backend",
+        "transformers",
+        "--no_progress",
+        "--output_dir",
+        str(tmp_path),
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "| arith | 2 | 2 |" in out and (tmp_path / "results.md").exists()

@@ -23,7 +23,9 @@ def _batch(seed=0, b=4, t=50, old_shift=None):
     mask = torch.ones(b, t)
     mask[0, -7:] = 0  # padding
     old = None if old_shift is None else logps - old_shift(gen, b, t)
-    return TokenBatch(logps=logps, entropies=torch.rand(b, t, generator=gen) * 2, advantages=adv, mask=mask, old_logps=old)
+    return TokenBatch(
+        logps=logps, entropies=torch.rand(b, t, generator=gen) * 2, advantages=adv, mask=mask, old_logps=old
+    )
 
 
 def test_registry_lists_every_method_and_unknown_names_list_the_valid_ones():
@@ -148,7 +150,11 @@ def test_par_controller_moves_by_one_step_per_optimizer_step_within_bounds():
 
 def test_par_controller_uses_the_rank_reduced_mean_entropy():
     par = PAR(coef=None, coef_init=0.5)
-    par.micro_batch_terms(*(lambda b: (b, b.logps))(TokenBatch(torch.zeros(1, 2), torch.full((1, 2), 0.1), torch.ones(1, 2), torch.ones(1, 2))))
+    par.micro_batch_terms(
+        *(lambda b: (b, b.logps))(
+            TokenBatch(torch.zeros(1, 2), torch.full((1, 2), 0.1), torch.ones(1, 2), torch.ones(1, 2))
+        )
+    )
     # Another rank saw 2 tokens of entropy 0.5: global mean (0.2 + 1.0) / 4 = 0.3 >= 0.2 -> coefficient goes up.
     par.on_optimizer_step(reduce_sum=lambda t: t + torch.tensor([1.0, 2.0], dtype=t.dtype))
     assert par.coef == pytest.approx(0.55)

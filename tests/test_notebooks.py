@@ -152,7 +152,7 @@ def check_quickstart(result: dict, workdir: Path) -> None:
         assert len(lambdas) == result["max_steps"], f"{method}: entropy_flow/lambda not logged every step"
         assert all(math.isfinite(x) and -1.0 <= x <= 1.0 for x in lambdas)
         increase, decrease = logged(history, "entropy_flow/increase"), logged(history, "entropy_flow/decrease")
-        for lam, inc, dec in zip(lambdas, increase, decrease):
+        for lam, inc, dec in zip(lambdas, increase, decrease, strict=True):
             assert lam == pytest.approx((dec - inc) / (inc + dec) if inc + dec > 0 else 0.0, abs=1e-6)
         assert len(logged(history, "entropy")) == result["max_steps"]
         assert len(logged(history, "reward")) == result["max_steps"]
@@ -163,7 +163,10 @@ def check_quickstart(result: dict, workdir: Path) -> None:
     assert any(lam != 0.0 for lam in logged(opefo, "entropy_flow/lambda"))
     assert logged(opefo, "opefo/lambda_applied") == pytest.approx(logged(opefo, "entropy_flow/lambda"))
     for net, inc, dec in zip(
-        logged(opefo, "opefo/weighted_net"), logged(opefo, "entropy_flow/increase"), logged(opefo, "entropy_flow/decrease")
+        logged(opefo, "opefo/weighted_net"),
+        logged(opefo, "entropy_flow/increase"),
+        logged(opefo, "entropy_flow/decrease"),
+        strict=True,
     ):
         assert abs(net) <= 1e-4 * (inc + dec) + 1e-12
     assert not logged(grpo, "opefo/weighted_net")

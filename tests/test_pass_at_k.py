@@ -69,7 +69,9 @@ def test_majority_vote():
     assert majority_vote([None, None], [False, False]) == (None, False)
     with pytest.raises(ValueError, match="2 answers but 1"):
         majority_vote(["1", "2"], [True])
-    assert mean_majority_accuracy([["1", "1", "2"], ["4", "3", "3"]], [[True, True, False], [True, False, False]]) == 0.5
+    assert (
+        mean_majority_accuracy([["1", "1", "2"], ["4", "3", "3"]], [[True, True, False], [True, False, False]]) == 0.5
+    )
 
 
 def test_fractional_counts_are_rejected_not_truncated():

@@ -146,9 +146,7 @@ def test_plot_refuses_runs_without_any_known_metric(tmp_path):
 def test_grouped_runs_are_averaged(tmp_path):
     import opefo_trl.plotting as plotting
 
-    runs = load_runs(
-        [_write_state(tmp_path / f"opefo-seed{i}", _rows(4, entropy0=1.0 + i)) for i in range(3)]
-    )
+    runs = load_runs([_write_state(tmp_path / f"opefo-seed{i}", _rows(4, entropy0=1.0 + i)) for i in range(3)])
     stats = plotting._group_series(runs, "entropy", smoothing=0.0)
     steps, mean, std, n = stats
     assert n == 3 and steps.tolist() == [1, 2, 3, 4]

@@ -21,8 +21,13 @@ METHODS = ["opefo", "grpo", "grpo_strict", "entropy_reg", "clip_higher", "clip_c
 STRICT = {"opefo", "grpo_strict", "par"}  # one optimizer update per rollout batch
 TOKEN_METHOD = {"opefo": "opefo", "par": "par", "clip_cov": "clip_cov", "kl_cov": "kl_cov"}  # others: "grpo"
 ROLLOUT_COMPLETIONS = 32 * 8
-MODEL_KEYS = {"model_name_or_path", "max_completion_length", "vllm_max_model_length", "vllm_gpu_memory_utilization",
-              "output_dir"}
+MODEL_KEYS = {
+    "model_name_or_path",
+    "max_completion_length",
+    "vllm_max_model_length",
+    "vllm_gpu_memory_utilization",
+    "output_dir",
+}
 
 
 def recipe_path(model, method):
@@ -81,13 +86,20 @@ def test_recipe_parses_with_the_papers_settings(model, method):
     if method == "kl_cov":
         assert (args.kl_cov_ratio, args.kl_cov_coef) == (2e-3, 1.0)
     if method == "par":
-        assert (args.par_coef, args.par_coef_init, args.par_entropy_target, args.par_coef_step) == (None, 0.0, 0.2, 0.05)
+        assert (args.par_coef, args.par_coef_init, args.par_entropy_target, args.par_coef_step) == (
+            None,
+            0.0,
+            0.2,
+            0.05,
+        )
     assert args.use_vllm and args.vllm_mode == "colocate"
     assert args.bf16 and args.logging_steps == 1 and args.num_train_epochs == 1 and args.save_steps > 0
     assert args.optim.startswith("adamw") and args.entropy_flow_diagnostics
     assert script_args.dataset_name == "dapo-math-17k" and script_args.reward_funcs == ["math_accuracy_reward"]
-    assert model_args.model_name_or_path == {"qwen2.5-math-7b": "Qwen/Qwen2.5-Math-7B",
-                                             "qwen3-4b-base": "Qwen/Qwen3-4B-Base"}[model]
+    assert (
+        model_args.model_name_or_path
+        == {"qwen2.5-math-7b": "Qwen/Qwen2.5-Math-7B", "qwen3-4b-base": "Qwen/Qwen3-4B-Base"}[model]
+    )
     if model == "qwen2.5-math-7b":  # context 4096 = up to 1096 prompt tokens + 3000 completion tokens
         assert args.vllm_max_model_length == 4096
 
@@ -121,8 +133,13 @@ def test_readme_lists_every_recipe_and_launch_mode():
         readme = f.read()
     for model, method in ALL_RECIPES:
         assert f"{model}/{method}.yaml" in readme
-    for needle in ("vllm_mode: colocate", "trl vllm-serve", "--vllm_mode server", "accelerate/zero3.yaml",
-                   "--resume_from_checkpoint"):
+    for needle in (
+        "vllm_mode: colocate",
+        "trl vllm-serve",
+        "--vllm_mode server",
+        "accelerate/zero3.yaml",
+        "--resume_from_checkpoint",
+    ):
         assert needle in readme, needle
 
 
@@ -137,8 +154,14 @@ METHOD_METRICS = {
     "kl_cov": ["kl_cov/penalised_frac"],
     "entropy_reg": ["entropy_coef"],
 }
-FLOW_METRICS = ["entropy_flow/lambda", "entropy_flow/increase", "entropy_flow/decrease", "entropy_flow/net",
-                "entropy_flow/increase_token_frac", "entropy_flow/decrease_token_frac"]
+FLOW_METRICS = [
+    "entropy_flow/lambda",
+    "entropy_flow/increase",
+    "entropy_flow/decrease",
+    "entropy_flow/net",
+    "entropy_flow/increase_token_frac",
+    "entropy_flow/decrease_token_frac",
+]
 
 
 @pytest.fixture(scope="module")
@@ -158,16 +181,41 @@ def test_7b_recipe_trains_two_steps_on_cpu(method, tiny_model_path, problems_fil
     out = str(tmp_path / method)
     if written.get("steps_per_generation"):  # keep the recipe's 8 updates per rollout: 8 x 2 completions
         ratio = written["steps_per_generation"] // written["gradient_accumulation_steps"]
-        sizes = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
-                 "--steps_per_generation", str(ratio)]
+        sizes = [
+            "--per_device_train_batch_size",
+            "2",
+            "--gradient_accumulation_steps",
+            "1",
+            "--steps_per_generation",
+            str(ratio),
+        ]
     else:  # one update per rollout of 2 x 2 completions
         sizes = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
-    main([
-        "--config", recipe,
-        "--model_name_or_path", tiny_model_path, "--dataset_files", problems_file, "--output_dir", out,
-        "--use_vllm", "false", "--bf16", "false", "--use_cpu", "true",
-        "--num_generations", "2", "--max_completion_length", "8", "--max_steps", "2", *sizes,
-    ])
+    main(
+        [
+            "--config",
+            recipe,
+            "--model_name_or_path",
+            tiny_model_path,
+            "--dataset_files",
+            problems_file,
+            "--output_dir",
+            out,
+            "--use_vllm",
+            "false",
+            "--bf16",
+            "false",
+            "--use_cpu",
+            "true",
+            "--num_generations",
+            "2",
+            "--max_completion_length",
+            "8",
+            "--max_steps",
+            "2",
+            *sizes,
+        ]
+    )
     with open(os.path.join(out, "metrics.jsonl")) as f:
         steps = [m for m in map(json.loads, f) if "loss" in m]
     assert [m["step"] for m in steps] == [1, 2]

@@ -33,7 +33,7 @@ def test_dapo_prompt_wraps_problem_verbatim_with_latex_braces():
         "Solve the following math problem step by step. The last line of your response should be of the form "
         "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
         + PROBLEM
-        + "\n\nRemember to put your answer on its own line after \"Answer:\"."
+        + '\n\nRemember to put your answer on its own line after "Answer:".'
     )
     assert messages[0]["content"] == expected
     assert DAPO_USER_PROMPT.replace("{problem}", PROBLEM) == expected

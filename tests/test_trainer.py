@@ -77,11 +77,13 @@ def test_opefo_trains_in_grpo_configurations_and_logs_flow_metrics(tiny_model_pa
     trainer = train(tiny_model_path, tiny_dataset, make_config(tmp_path, **overrides))
     for name in FLOW_METRICS + ["opefo/weighted_net", "loss", "entropy", "reward"]:
         assert len(logged(trainer, name)) == 2, f"{name} missing from log_history"
-    for lam, inc, dec, net in zip(*(logged(trainer, n) for n in FLOW_METRICS[:4])):
+    for lam, inc, dec, net in zip(*(logged(trainer, n) for n in FLOW_METRICS[:4]), strict=True):
         assert -1.0 <= lam <= 1.0 and inc >= 0 and dec >= 0
         assert lam == pytest.approx((dec - inc) / (dec + inc))
         assert net == pytest.approx(inc - dec)
-    for inc, weighted_net in zip(logged(trainer, "entropy_flow/increase"), logged(trainer, "opefo/weighted_net")):
+    for inc, weighted_net in zip(
+        logged(trainer, "entropy_flow/increase"), logged(trainer, "opefo/weighted_net"), strict=True
+    ):
         assert abs(weighted_net) <= 1e-5 * inc
     if "beta" in overrides:
         assert len(logged(trainer, "kl")) == 2
@@ -127,9 +129,7 @@ def test_lambda_zero_takes_the_same_step_as_grpo_and_lambda_star_does_not(
     zero = _parameters_after_one_step(
         OPEFOTrainer, tiny_model_path, tiny_dataset, make_config(tmp_path, opefo_lambda=0.0, **common)
     )
-    balanced = _parameters_after_one_step(
-        OPEFOTrainer, tiny_model_path, tiny_dataset, make_config(tmp_path, **common)
-    )
+    balanced = _parameters_after_one_step(OPEFOTrainer, tiny_model_path, tiny_dataset, make_config(tmp_path, **common))
     for name, value in reference.items():
         torch.testing.assert_close(zero[name], value, rtol=0, atol=1e-7, msg=f"{name} differs at lambda=0")
     assert any(not torch.allclose(balanced[n], reference[n], atol=1e-7) for n in reference)
@@ -221,8 +221,16 @@ def test_a_grpo_config_is_accepted_as_a_drop_in(tiny_model_path, tiny_dataset, t
     from trl import GRPOConfig
 
     args = GRPOConfig(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
-        max_steps=1, bf16=False, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=1,
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
     )
     trainer = OPEFOTrainer(model=tiny_model_path, reward_funcs=length_reward, args=args, train_dataset=tiny_dataset)
     assert isinstance(trainer.args, OPEFOConfig) and trainer.args.method == "opefo"
@@ -274,7 +282,10 @@ def test_opefo_adds_a_forward_pass_only_when_trl_has_none_to_share(
         dict(gradient_accumulation_steps=2, per_device_train_batch_size=4),  # own scoring pass
         dict(gradient_accumulation_steps=2, per_device_train_batch_size=4, num_iterations=2, allow_off_policy=True),
         dict(  # one micro-batch per rollout but the buffered batch is reused: weights must live in the buffer
-            gradient_accumulation_steps=2, per_device_train_batch_size=4, steps_per_generation=1, num_iterations=2,
+            gradient_accumulation_steps=2,
+            per_device_train_batch_size=4,
+            steps_per_generation=1,
+            num_iterations=2,
             allow_off_policy=True,
         ),
     ],
@@ -290,8 +301,12 @@ def test_every_micro_batch_gets_the_weights_exactly_once(tiny_model_path, tiny_d
             seen.append((self._loss_inputs["advantages"].clone(), self._loss_mask(self._loss_inputs), lambdas[-1]))
 
     lambdas = []
-    trainer = Spy(model=tiny_model_path, reward_funcs=length_reward, args=make_config(tmp_path, max_steps=4, **overrides),
-                  train_dataset=tiny_dataset)
+    trainer = Spy(
+        model=tiny_model_path,
+        reward_funcs=length_reward,
+        args=make_config(tmp_path, max_steps=4, **overrides),
+        train_dataset=tiny_dataset,
+    )
     rollout_weights = trainer.token_method.rollout_weights
 
     def recording(batch, reduce_sum):
@@ -306,12 +321,13 @@ def test_every_micro_batch_gets_the_weights_exactly_once(tiny_model_path, tiny_d
         assert advantages.dim() == 2, "the advantages reaching TRL must be per-token"
         weighted_rows, active_rows = 0, 0
         factors = torch.tensor([1 + lam, 1 - lam, 1.0], dtype=torch.float64)
-        for row, row_mask in zip(advantages.double(), mask.bool()):
+        for row, row_mask in zip(advantages.double(), mask.bool(), strict=True):
             values = row[row_mask]
             if values.numel() == 0 or values.abs().max() == 0:
                 continue
             explained = [
-                base for base in values[0] / factors
+                base
+                for base in values[0] / factors
                 if all(torch.isclose(v / base, factors, rtol=1e-5, atol=0).any() for v in values)
             ]
             assert explained, f"row advantages {values.unique().tolist()} are not A x (1 +/- {lam}, 1)"
@@ -326,12 +342,15 @@ def test_clip_cov_trains_off_policy_with_default_epsilon_high(tiny_model_path, t
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"])
-def test_extra_loss_terms_are_normalised_exactly_like_trl_policy_loss(tiny_model_path, tiny_dataset, tmp_path, loss_type):
+def test_extra_loss_terms_are_normalised_exactly_like_trl_policy_loss(
+    tiny_model_path, tiny_dataset, tmp_path, loss_type
+):
     """With A = -1 and ratio 1, TRL's policy loss is its own aggregation of a per-token 1: ours must match it."""
     from trl import GRPOTrainer
 
-    args = make_config(tmp_path, method="kl_cov", loss_type=loss_type, gradient_accumulation_steps=2,
-                       per_device_train_batch_size=4)
+    args = make_config(
+        tmp_path, method="kl_cov", loss_type=loss_type, gradient_accumulation_steps=2, per_device_train_batch_size=4
+    )
     trainer = OPEFOTrainer(model=tiny_model_path, reward_funcs=length_reward, args=args, train_dataset=tiny_dataset)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps

@@ -23,7 +23,12 @@ def test_chunked_statistics_match_a_float64_full_softmax(vocab, token_chunk, voc
     bias = torch.randn(vocab, generator=gen)
     targets = torch.randint(0, vocab, (2, 9), generator=gen)
     stats = vocab_stats(
-        hidden, weight, bias, targets=targets, temperature=0.8, token_chunk_size=token_chunk,
+        hidden,
+        weight,
+        bias,
+        targets=targets,
+        temperature=0.8,
+        token_chunk_size=token_chunk,
         vocab_chunk_size=vocab_chunk,
     )
     logp, entropy, s2, s2l = _reference(hidden, weight, bias, 0.8)
@@ -31,7 +36,9 @@ def test_chunked_statistics_match_a_float64_full_softmax(vocab, token_chunk, voc
     torch.testing.assert_close(stats.entropy.double(), entropy, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(stats.sum_sq_probs.double(), s2, rtol=1e-4, atol=1e-7)
     torch.testing.assert_close(stats.sum_sq_probs_log_probs.double(), s2l, rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(stats.target_logps.double(), logp.gather(-1, targets[..., None])[..., 0], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        stats.target_logps.double(), logp.gather(-1, targets[..., None])[..., 0], rtol=1e-5, atol=1e-4
+    )
 
 
 def test_peaked_distribution_keeps_precision():

@@ -46,15 +46,45 @@ pytestmark = pytest.mark.slow
 
 def _launch(tmp_path, tiny_model_path, data_file, output_dir, *extra):
     command = [
-        sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", ZERO3, "--num_processes", "2", "--mixed_precision", "no",
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        ZERO3,
+        "--num_processes",
+        "2",
+        "--mixed_precision",
+        "no",
         str(tmp_path / "launch_opefo_train.py"),
-        "--config", RECIPE,
-        "--model_name_or_path", tiny_model_path, "--dataset_files", data_file, "--output_dir", output_dir,
-        "--use_vllm", "false", "--bf16", "false", "--use_cpu", "true",
-        "--num_generations", "2", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
-        "--max_completion_length", "8", "--save_steps", "1", "--metrics_jsonl", "every_process",
-        "--reward_funcs", "math_accuracy_reward", "opefo_zero3_rewards.digit_overlap_reward",
+        "--config",
+        RECIPE,
+        "--model_name_or_path",
+        tiny_model_path,
+        "--dataset_files",
+        data_file,
+        "--output_dir",
+        output_dir,
+        "--use_vllm",
+        "false",
+        "--bf16",
+        "false",
+        "--use_cpu",
+        "true",
+        "--num_generations",
+        "2",
+        "--per_device_train_batch_size",
+        "4",
+        "--gradient_accumulation_steps",
+        "2",
+        "--max_completion_length",
+        "8",
+        "--save_steps",
+        "1",
+        "--metrics_jsonl",
+        "every_process",
+        "--reward_funcs",
+        "math_accuracy_reward",
+        "opefo_zero3_rewards.digit_overlap_reward",
         *extra,
     ]
     env = {
@@ -109,8 +139,9 @@ def test_opefo_zero3_two_processes_lambda_checkpoint_resume(tmp_path, tiny_model
     ]
     import torch
 
-    saved = torch.load(os.path.join(shards, "zero_pp_rank_0_mp_rank_00_optim_states.pt"), map_location="cpu",
-                       weights_only=False)
+    saved = torch.load(
+        os.path.join(shards, "zero_pp_rank_0_mp_rank_00_optim_states.pt"), map_location="cpu", weights_only=False
+    )
     assert saved["ds_config"]["zero_optimization"]["stage"] == 3
     assert saved["optimizer_state_dict"]["partition_count"] == 2
     with open(os.path.join(out, "checkpoint-2", "opefo_method_state.json")) as f:
@@ -137,8 +168,20 @@ def test_full_estimate_under_zero3_gathers_the_lm_head(tmp_path):
     data_file = _write_launcher_rewards_and_data(tmp_path)
     out = str(tmp_path / "run")
     # Most ids of the padded vocabulary decode to no text: reward the ids themselves, so advantages are not all 0.
-    _launch(tmp_path, tiny_model_path, str(data_file), out, "--max_steps", "1", "--entropy_flow_estimate", "full",
-            "--save_strategy", "no", "--reward_funcs", "opefo_zero3_rewards.token_sum_reward")
+    _launch(
+        tmp_path,
+        tiny_model_path,
+        str(data_file),
+        out,
+        "--max_steps",
+        "1",
+        "--entropy_flow_estimate",
+        "full",
+        "--save_strategy",
+        "no",
+        "--reward_funcs",
+        "opefo_zero3_rewards.token_sum_reward",
+    )
     (rank0,), (rank1,) = _rank_metrics(out, 0), _rank_metrics(out, 1)
     assert rank0["entropy_flow/lambda"] == rank1["entropy_flow/lambda"]
     assert rank0["entropy_flow/increase"] > 0 and rank0["entropy_flow/decrease"] > 0, rank0

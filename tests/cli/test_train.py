@@ -103,10 +103,22 @@ def test_help_lists_every_option_group(capsys):
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    for option in ("--dataset_name", "--prompt_template", "--reward_funcs", "--drop_overlong_prompts",  # script
-                   "--model_name_or_path", "--use_peft", "--lora_r",  # ModelConfig
-                   "--method", "--opefo_lambda", "--par_coef", "--kl_cov_ratio",  # OPEFOConfig
-                   "--num_generations", "--steps_per_generation", "--resume_from_checkpoint"):  # GRPOConfig
+    for option in (
+        "--dataset_name",
+        "--prompt_template",
+        "--reward_funcs",
+        "--drop_overlong_prompts",  # script
+        "--model_name_or_path",
+        "--use_peft",
+        "--lora_r",  # ModelConfig
+        "--method",
+        "--opefo_lambda",
+        "--par_coef",
+        "--kl_cov_ratio",  # OPEFOConfig
+        "--num_generations",
+        "--steps_per_generation",
+        "--resume_from_checkpoint",
+    ):  # GRPOConfig
         assert option in out, option
     assert "--config RECIPE_YAML" in out
 
@@ -228,8 +240,9 @@ def test_prompt_longer_than_context_fails_before_model_loading(
         (["--dataset_name", "my/hub-set"], ValueError, "set `problem_column` and `answer_column`"),
     ],
 )
-def test_bad_options_fail_before_model_loading(extra, error, message, tiny_model_path, problems_file, tmp_path,
-                                               no_model_loading):
+def test_bad_options_fail_before_model_loading(
+    extra, error, message, tiny_model_path, problems_file, tmp_path, no_model_loading
+):
     argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "out")), *extra]
     with pytest.raises(error, match=message):
         main(argv)
@@ -247,8 +260,16 @@ def test_missing_model_is_a_clear_error(problems_file, tmp_path):
 
 def test_trains_with_both_rewards_and_writes_metrics(tiny_model_path, problems_file, tmp_path, reward_module):
     out = str(tmp_path / "out")
-    main(["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, out, max_steps=2),
-          "--reward_funcs", "math_accuracy_reward", "opefo_cli_test_rewards.digit_overlap_reward"])
+    main(
+        [
+            "--config",
+            RECIPE,
+            *_cpu_overrides(tiny_model_path, problems_file, out, max_steps=2),
+            "--reward_funcs",
+            "math_accuracy_reward",
+            "opefo_cli_test_rewards.digit_overlap_reward",
+        ]
+    )
     steps = [m for m in _metrics(out) if "reward" in m]
     assert [m["step"] for m in steps] == [1, 2]
     gold = {str(i + 2 + 3 * i + 1) for i in range(16)}
@@ -271,8 +292,14 @@ def test_resume_restores_optimizer_and_method_state(tiny_model_path, problems_fi
     """PAR's controller coefficient changes every step; a resumed run must continue from the saved value."""
     reward = ["--reward_funcs", "math_accuracy_reward", "opefo_cli_test_rewards.digit_overlap_reward"]
     first = str(tmp_path / "first")
-    main(["--config", PAR_RECIPE, *_cpu_overrides(tiny_model_path, problems_file, first, max_steps=3, save_steps=1),
-          *reward])
+    main(
+        [
+            "--config",
+            PAR_RECIPE,
+            *_cpu_overrides(tiny_model_path, problems_file, first, max_steps=3, save_steps=1),
+            *reward,
+        ]
+    )
     original = {m["step"]: m for m in _metrics(first) if "par/coef" in m}
     coefs = [original[s]["par/coef"] for s in (1, 2, 3)]
     assert coefs[0] < coefs[1] < coefs[2]  # the controller moved (tiny model entropy >> target)
@@ -280,16 +307,32 @@ def test_resume_restores_optimizer_and_method_state(tiny_model_path, problems_fi
 
     # Resume from checkpoint-2 by path into a fresh output_dir: step 3 is replayed exactly.
     resumed_dir = str(tmp_path / "resumed")
-    main(["--config", PAR_RECIPE, *_cpu_overrides(tiny_model_path, problems_file, resumed_dir, max_steps=3),
-          *reward, "--resume_from_checkpoint", os.path.join(first, "checkpoint-2")])
+    main(
+        [
+            "--config",
+            PAR_RECIPE,
+            *_cpu_overrides(tiny_model_path, problems_file, resumed_dir, max_steps=3),
+            *reward,
+            "--resume_from_checkpoint",
+            os.path.join(first, "checkpoint-2"),
+        ]
+    )
     resumed = [m for m in _metrics(resumed_dir) if "par/coef" in m]
     assert [m["step"] for m in resumed] == [3]
     for key in ("par/coef", "entropy", "reward", "loss", "entropy_flow/net"):
         assert resumed[0][key] == pytest.approx(original[3][key], rel=1e-5, abs=1e-8), key
 
     # `--resume_from_checkpoint true` picks the last checkpoint of output_dir (checkpoint-3) and continues at step 4.
-    main(["--config", PAR_RECIPE, *_cpu_overrides(tiny_model_path, problems_file, first, max_steps=4, save_steps=1),
-          *reward, "--resume_from_checkpoint", "true"])
+    main(
+        [
+            "--config",
+            PAR_RECIPE,
+            *_cpu_overrides(tiny_model_path, problems_file, first, max_steps=4, save_steps=1),
+            *reward,
+            "--resume_from_checkpoint",
+            "true",
+        ]
+    )
     continued = [m for m in _metrics(first) if "par/coef" in m and m["step"] == 4]
     assert len(continued) == 1
     assert continued[0]["par/coef"] == pytest.approx(min(1.0, coefs[2] + (coefs[2] - coefs[1])))
@@ -297,6 +340,14 @@ def test_resume_restores_optimizer_and_method_state(tiny_model_path, problems_fi
         assert json.load(f)["method"] == "par"
 
     # Resuming an older checkpoint into the same output_dir replays step 4: metrics.jsonl keeps each step once.
-    main(["--config", PAR_RECIPE, *_cpu_overrides(tiny_model_path, problems_file, first, max_steps=4, save_steps=1),
-          *reward, "--resume_from_checkpoint", os.path.join(first, "checkpoint-3")])
+    main(
+        [
+            "--config",
+            PAR_RECIPE,
+            *_cpu_overrides(tiny_model_path, problems_file, first, max_steps=4, save_steps=1),
+            *reward,
+            "--resume_from_checkpoint",
+            os.path.join(first, "checkpoint-3"),
+        ]
+    )
     assert [m["step"] for m in _metrics(first) if "par/coef" in m] == [1, 2, 3, 4]
