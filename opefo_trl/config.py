@@ -1,9 +1,16 @@
-"""`OPEFOConfig`: TRL's `GRPOConfig` plus the token-method settings (OPEFO, PAR, Clip-Cov, KL-Cov, diagnostics)."""
+"""`OPEFOConfig`: TRL's `GRPOConfig` plus the entropy-flow settings and the token methods' settings.
+
+Each option is declared once, with its default and help: the entropy-flow options in `EntropyFlowSettings` below,
+each method's in its settings dataclass in `opefo_trl.methods`. `OPEFOConfig` inherits them all, so `TrlParser`,
+recipes and `--help` see every one; `validate_opefo_settings` checks them (also on a plain `GRPOConfig` that
+`OPEFOTrainer` was given, see `with_opefo_settings`).
+"""
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass, field
+import dataclasses
+import os
+from dataclasses import dataclass
 
 from ._compat import check_trl_version
 
@@ -11,8 +18,16 @@ check_trl_version()
 
 from trl import GRPOConfig  # noqa: E402
 
-from .entropy_flow import FLOW_ESTIMATES  # noqa: E402
-from .methods import TOKEN_METHODS, get_token_method_class  # noqa: E402
+from .entropy_flow import FLOW_ESTIMATES, check_choice  # noqa: E402
+from .methods import (  # noqa: E402
+    TOKEN_METHODS,
+    ClipCovSettings,
+    KLCovSettings,
+    OPEFOSettings,
+    PARSettings,
+    get_token_method_class,
+    setting,
+)
 
 #: Free-text GRPOConfig options and the values TRL 1.16 accepts for them.
 TRL_CHOICES = {
@@ -21,14 +36,48 @@ TRL_CHOICES = {
     "vllm_mode": ("colocate", "server"),
     "importance_sampling_level": ("token", "sequence"),
 }
+PRECONDITIONERS = ("adam", "none")
 
 
 @dataclass
-class OPEFOConfig(GRPOConfig):
+class EntropyFlowSettings:
+    """How the per-token entropy flow is estimated, logged and checked (every method; OPEFO balances it)."""
+
+    entropy_flow_estimate: str = setting(
+        "opefo",
+        "Per-token first-order entropy-change estimate used by OPEFO and the diagnostics: 'opefo' "
+        "(-A (1-pi)^2 (log pi + H), the paper's), 'onaction', 'sign', 'full' (exact first order of a tabular softmax; "
+        "two extra vocabulary reductions per token), or 'param' (exact first order through the network's trainable "
+        "parameters: one extra forward+backward and two forwards per rollout batch, in float32).",
+    )
+    entropy_flow_preconditioner: str = setting(
+        "adam",
+        "'param' estimate: the optimizer's diagonal preconditioner D in d_t = c_t A_t <D grad Hbar, grad log pi_t>. "
+        "'adam': AdamW's bias-corrected second moments (identity before the first step); 'none': plain SGD.",
+    )
+    entropy_flow_diagnostics: bool = setting(
+        True,
+        "Log the entropy flow every optimizer step produces (entropy_flow/lambda, increase, decrease, net, token "
+        "fractions) for every method. Cheap for the log-prob based estimates.",
+    )
+    entropy_flow_audit_steps: int = setting(
+        0,
+        "Every k-th optimizer step (0: never), re-score that step's batch after the update without gradients and log "
+        "entropy_flow/measured_delta, the measured change of its mean token entropy (and, for 'param', "
+        "entropy_flow/predicted_delta). One no-grad forward per audited step.",
+    )
+    vocab_stats_token_chunk_size: int = setting(512, "Tokens per tile of the `full` estimate's vocabulary pass.")
+    vocab_stats_vocab_chunk_size: int = setting(
+        16384, "Vocabulary entries per tile of the `full` estimate's vocabulary pass."
+    )
+
+
+@dataclass
+class OPEFOConfig(GRPOConfig, EntropyFlowSettings, OPEFOSettings, PARSettings, ClipCovSettings, KLCovSettings):
     r"""
     Configuration for [`OPEFOTrainer`]: every [`~trl.GRPOConfig`] option, plus the method that weights or penalises
-    tokens and its settings. The defaults give OPEFO as in the paper (strict on-policy, lambda* from the `opefo`
-    entropy-flow estimate over the whole rollout batch, both sets rescaled).
+    tokens, its settings, and the entropy-flow settings. The defaults give OPEFO as in the paper (strict on-policy,
+    lambda* from the `opefo` entropy-flow estimate over the whole rollout batch, both sets rescaled).
 
     Baselines of the paper's comparison are configurations, not new trainers:
 
@@ -41,115 +90,147 @@ class OPEFOConfig(GRPOConfig):
     | Clip-Cov / KL-Cov | `method="clip_cov"` / `method="kl_cov"` |
     | PAR | `method="par"` (entropy-guided) or `par_coef=<c>` |
     | OPEFO ablations | `opefo_lambda=0.001`, `opefo_sides="increase_only"` / `"decrease_only"` |
+    | OPEFO, exact flow | `entropy_flow_estimate="param"` |
 
     Example:
         >>> from opefo_trl import OPEFOConfig
-        >>> args = OPEFOConfig(output_dir="out", method="opefo", entropy_flow_estimate="opefo")  # doctest: +SKIP
+        >>> args = OPEFOConfig(output_dir="out", method="par", par_coef=0.5, use_cpu=True, bf16=False)
+        >>> args.method, args.par_coef, args.entropy_flow_estimate
+        ('par', 0.5, 'opefo')
     """
 
-    method: str = field(
-        default="opefo",
-        metadata={
-            "help": "Token-level method: 'opefo' (entropy-flow balancing), 'grpo' (plain GRPO; with TRL options also "
-            "Entropy-Reg and Clip-higher), 'par' (positive-advantage reweighting), 'clip_cov', 'kl_cov'.",
-        },
+    method: str = setting(
+        "opefo",
+        "Token-level method: 'opefo' (entropy-flow balancing), 'grpo' (plain GRPO; with TRL options also Entropy-Reg "
+        "and Clip-higher), 'par' (positive-advantage reweighting), 'clip_cov', 'kl_cov', or a method registered with "
+        "opefo_trl.methods.register_token_method.",
     )
-    entropy_flow_estimate: str = field(
-        default="opefo",
-        metadata={
-            "help": "Per-token first-order entropy-change estimate used by OPEFO and the diagnostics: 'opefo' "
-            "(-A (1-pi)^2 (log pi + H)), 'onaction', 'sign', or 'full' (exact first order; needs two extra "
-            "vocabulary reductions per token, computed in a chunked pass over the LM head).",
-        },
+    allow_off_policy: bool = setting(
+        False,
+        "OPEFO is strictly on-policy (one optimizer step per rollout batch: num_iterations=1 and "
+        "steps_per_generation == gradient_accumulation_steps). Set True to run it off-policy anyway.",
     )
-    opefo_lambda: float | None = field(
-        default=None,
-        metadata={"help": "Fixed lambda in [-1, 1] instead of the balancing lambda* (static-lambda ablation)."},
-    )
-    opefo_sides: str = field(
-        default="both",
-        metadata={"help": "Which set OPEFO rescales: 'both', 'increase_only' (S+) or 'decrease_only' (S-)."},
-    )
-    allow_off_policy: bool = field(
-        default=False,
-        metadata={
-            "help": "OPEFO is strictly on-policy (one optimizer step per rollout batch: num_iterations=1 and "
-            "steps_per_generation == gradient_accumulation_steps). Set True to run it off-policy anyway.",
-        },
-    )
-    entropy_flow_diagnostics: bool = field(
-        default=True,
-        metadata={
-            "help": "Log the entropy flow every batch produces (entropy_flow/lambda, increase, decrease, net, token "
-            "fractions) for every method. Cheap for the log-prob based estimates.",
-        },
-    )
-    vocab_stats_token_chunk_size: int = field(
-        default=512, metadata={"help": "Tokens per tile of the `full` estimate's vocabulary pass."}
-    )
-    vocab_stats_vocab_chunk_size: int = field(
-        default=16384, metadata={"help": "Vocabulary entries per tile of the `full` estimate's vocabulary pass."}
-    )
-    par_coef: float | None = field(
-        default=None,
-        metadata={"help": "PAR: constant weight in [0, 1] of positive-advantage tokens; None for the controller."},
-    )
-    par_coef_init: float = field(default=0.0, metadata={"help": "PAR controller: initial coefficient in [0, 1]."})
-    par_entropy_target: float = field(
-        default=0.2, metadata={"help": "PAR controller: target mean token entropy of an optimizer step."}
-    )
-    par_coef_step: float = field(
-        default=0.05, metadata={"help": "PAR controller: change of the coefficient per optimizer step."}
-    )
-    clip_cov_ratio: float = field(
-        default=2e-4, metadata={"help": "Clip-Cov: fraction of valid tokens whose gradient is dropped."}
-    )
-    clip_cov_lb: float = field(default=1.0, metadata={"help": "Clip-Cov: lower bound of the covariance window."})
-    clip_cov_ub: float = field(default=5.0, metadata={"help": "Clip-Cov: upper bound of the covariance window."})
-    kl_cov_ratio: float = field(
-        default=2e-3, metadata={"help": "KL-Cov: fraction of valid tokens (top by covariance) given the KL penalty."}
-    )
-    kl_cov_coef: float = field(default=1.0, metadata={"help": "KL-Cov: coefficient of the |log ratio| penalty."})
 
     def __post_init__(self):
         super().__post_init__()
-        # GRPOConfig only rejects some of these when the first batch reaches them: fail at configuration time.
-        for name, valid in TRL_CHOICES.items():
-            if getattr(self, name) not in valid:
-                raise ValueError(f"Unknown {name} {getattr(self, name)!r}; choose one of {valid}.")
-        method_class = get_token_method_class(self.method)  # unknown name: error listing the valid ones
-        if self.entropy_flow_estimate not in FLOW_ESTIMATES:
-            raise ValueError(
-                f"Unknown entropy_flow_estimate {self.entropy_flow_estimate!r}; choose one of {FLOW_ESTIMATES}."
-            )
-        if self.vocab_stats_token_chunk_size < 1 or self.vocab_stats_vocab_chunk_size < 1:
-            raise ValueError("vocab_stats_token_chunk_size and vocab_stats_vocab_chunk_size must be >= 1.")
-        if self.use_liger_kernel:
-            raise ValueError(
-                "use_liger_kernel=True is not supported by OPEFOTrainer: the token methods act on TRL's per-token "
-                "loss path, which the Liger integration replaces. Set use_liger_kernel=False."
-            )
-        off_policy = []
-        if self.num_iterations > 1:
-            off_policy.append(f"num_iterations={self.num_iterations} (several updates per rollout batch)")
-        if self.steps_per_generation != self.gradient_accumulation_steps:
-            off_policy.append(
-                f"steps_per_generation={self.steps_per_generation} != gradient_accumulation_steps="
-                f"{self.gradient_accumulation_steps} (a rollout batch is not exactly one optimizer step)"
-            )
-        if off_policy and method_class.on_policy_only and not self.allow_off_policy:
-            raise ValueError(
-                f"method={self.method!r} is strictly on-policy: lambda* is computed over one rollout batch and applied "
-                f"in exactly one optimizer step, but this configuration has {' and '.join(off_policy)}. Fix: set "
-                "num_iterations=1 and leave steps_per_generation unset (it then equals gradient_accumulation_steps), "
-                "or set allow_off_policy=True to run it off-policy deliberately."
-            )
-        # Build every method once so that each one's settings are checked at configuration time (whichever method
-        # is selected: a bad value is never silently ignored), not mid-training.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for registered in TOKEN_METHODS.values():
-                registered.from_args(self)
+        validate_opefo_settings(self)
 
 
-__all__ = ["OPEFOConfig", "TOKEN_METHODS"]
+def _opefo_fields() -> list[dataclasses.Field]:
+    """The fields OPEFOConfig adds to GRPOConfig."""
+    inherited = {f.name for f in dataclasses.fields(GRPOConfig)}
+    return [f for f in dataclasses.fields(OPEFOConfig) if f.name not in inherited]
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _off_policy_reasons(args) -> list[str]:
+    reasons = []
+    if args.num_iterations > 1:
+        reasons.append(f"num_iterations={args.num_iterations} (several updates per rollout batch)")
+    if args.steps_per_generation != args.gradient_accumulation_steps:
+        reasons.append(
+            f"steps_per_generation={args.steps_per_generation} != gradient_accumulation_steps="
+            f"{args.gradient_accumulation_steps} (a rollout batch is not exactly one optimizer step)"
+        )
+    return reasons
+
+
+def _uses_deepspeed(args) -> bool:
+    return bool(args.deepspeed) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def _uses_fsdp(args) -> bool:
+    return bool(args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def validate_opefo_settings(args) -> None:
+    """Check the OPEFO options of ``args`` (an OPEFOConfig, or a GRPOConfig given them by `with_opefo_settings`).
+
+    Raises ValueError naming the option and a fix that works for the object the user passed; nothing that can be
+    checked without the model waits for training.
+    """
+    fix_target = (
+        "this OPEFOConfig" if isinstance(args, OPEFOConfig) else "an OPEFOConfig (it takes every GRPOConfig option)"
+    )
+    # GRPOConfig only rejects some of these when the first batch reaches them: fail at configuration time.
+    for name, valid in TRL_CHOICES.items():
+        check_choice(name, getattr(args, name), valid)
+    method_class = get_token_method_class(args.method)  # unknown name: error listing the valid ones
+    method_class.settings_from(args)  # the selected method's settings validate on construction
+    _refuse_settings_of_other_methods(args, method_class)
+    check_choice("entropy_flow_estimate", args.entropy_flow_estimate, FLOW_ESTIMATES)
+    check_choice("entropy_flow_preconditioner", args.entropy_flow_preconditioner, PRECONDITIONERS)
+    if args.entropy_flow_audit_steps < 0:
+        raise ValueError(f"entropy_flow_audit_steps must be >= 0 (0: off); got {args.entropy_flow_audit_steps}.")
+    if args.vocab_stats_token_chunk_size < 1 or args.vocab_stats_vocab_chunk_size < 1:
+        raise ValueError("vocab_stats_token_chunk_size and vocab_stats_vocab_chunk_size must be >= 1.")
+    estimate = args.entropy_flow_estimate
+    if estimate == "full" and args.torch_compile:
+        raise ValueError(
+            "entropy_flow_estimate='full' reads the backbone's hidden states through a forward hook, which a compiled "
+            "model does not run. Set torch_compile=False, or use a log-prob estimate ('opefo', 'onaction', 'sign')."
+        )
+    if estimate in ("full", "param") and _uses_fsdp(args):
+        raise ValueError(
+            f"entropy_flow_estimate={estimate!r} is not supported under FSDP (the LM head and the parameters are "
+            "sharded outside the forward). Use DDP (recipes/accelerate/ddp.yaml), DeepSpeed ZeRO-3 for 'full', or a "
+            "log-prob estimate ('opefo', 'onaction', 'sign')."
+        )
+    if estimate == "param" and _uses_deepspeed(args):
+        raise ValueError(
+            "entropy_flow_estimate='param' perturbs the trainable parameters in float32, which DeepSpeed holds as "
+            "bf16 copies of fp32 master weights (ZeRO-3 also partitions them). Use DDP (recipes/accelerate/ddp.yaml, "
+            "e.g. with LoRA), or 'full' / a log-prob estimate under DeepSpeed."
+        )
+    reasons = _off_policy_reasons(args)
+    if reasons and method_class.on_policy_only and not args.allow_off_policy:
+        raise ValueError(
+            f"method={args.method!r} is strictly on-policy: lambda* is computed over one rollout batch and applied in "
+            f"exactly one optimizer step, but this configuration has {' and '.join(reasons)}. Fix: set "
+            "num_iterations=1 and leave steps_per_generation unset (it then equals gradient_accumulation_steps); or, "
+            f"to run it off-policy deliberately, pass {fix_target} with allow_off_policy=True; or choose "
+            "method='grpo'."
+        )
+
+
+def _refuse_settings_of_other_methods(args, method_class) -> None:
+    """A non-default setting of a method that is not selected would be silently ignored: refuse it."""
+    own = {f.name for f in dataclasses.fields(method_class.Settings)}
+    for name, other in TOKEN_METHODS.items():
+        if other is method_class:
+            continue
+        for f in dataclasses.fields(other.Settings):
+            if f.name in own or not hasattr(args, f.name):
+                continue
+            if getattr(args, f.name) != _default(f):
+                raise ValueError(
+                    f"{f.name}={getattr(args, f.name)!r} is a setting of method={name!r} and has no effect with "
+                    f"method={args.method!r}. Remove it, or set method={name!r}."
+                )
+
+
+def with_opefo_settings(args: GRPOConfig) -> GRPOConfig:
+    """Give a plain `GRPOConfig` (or a user's subclass) the OPEFO options, in place, and validate them.
+
+    The object keeps its class, its identity and its own extra fields, as `GRPOTrainer` keeps the config it is
+    given; options it already has as attributes (e.g. ``args.method = "grpo"`` set by the user) are kept.
+
+    >>> from trl import GRPOConfig
+    >>> args = GRPOConfig(output_dir="out", use_cpu=True, bf16=False)
+    >>> with_opefo_settings(args) is args, args.method, type(args).__name__
+    (True, 'opefo', 'GRPOConfig')
+    """
+    if not isinstance(args, GRPOConfig):
+        raise TypeError(f"OPEFOTrainer expects an OPEFOConfig or a GRPOConfig, got {type(args).__name__}.")
+    if not isinstance(args, OPEFOConfig):
+        for f in _opefo_fields():
+            if not hasattr(args, f.name):
+                setattr(args, f.name, _default(f))
+        validate_opefo_settings(args)
+    return args
+
+
+__all__ = ["EntropyFlowSettings", "OPEFOConfig", "TOKEN_METHODS", "validate_opefo_settings", "with_opefo_settings"]

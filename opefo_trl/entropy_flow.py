@@ -1,21 +1,27 @@
-"""Entropy flow of a policy-gradient step and the OPEFO balance (SPEC.md sections 1 and 2).
+"""Entropy flow of a policy-gradient step and the OPEFO balance (docs/algorithm.md sections 1-3).
 
-Pure torch, no TRL import: every function here can be checked against SPEC.md line by line.
+Pure torch, no TRL import: every function here can be checked against docs/algorithm.md line by line.
 
 Notation (per completion token t): ``logp`` = log pi_t of the sampled token under the current policy at the
-training temperature, ``entropy`` = H_t, ``advantage`` = A_t, ``mask`` = m_t.
+training temperature, ``entropy`` = H_t, ``advantage`` = A_t, ``factor`` = f_t, the coefficient of
+A_t grad log pi_t in the update the loss really applies (loss mask, loss normalisation, importance weights; 0 for a
+token outside the loss).
 
-A policy-gradient step on token t moves the entropy at that position by, to first order (eta dropped, it
-cancels in lambda*),
+A policy-gradient step on token t moves the entropy by, to first order (the step size eta is dropped: it cancels
+in lambda*), d_t = A_t u_t, where u_t ("flow per unit advantage") depends on the estimate:
 
-    full:      d_t = -A_t [pi_t (log pi_t + H_t) - S2_t],  S2_t = sum_k pi_k^2 log pi_k + H_t sum_k pi_k^2
-    opefo:     d_t = -A_t (1 - pi_t)^2 (log pi_t + H_t)          (default; the paper's diagnostic)
-    onaction:  d_t = -A_t pi_t (1 - pi_t) (log pi_t + H_t)
-    sign:      d_t = -A_t (log pi_t + H_t)
+    opefo:     u_t = -(1 - pi_t)^2 (log pi_t + H_t)            (default; the paper's per-token diagnostic)
+    onaction:  u_t = -pi_t (1 - pi_t) (log pi_t + H_t)
+    sign:      u_t = -(log pi_t + H_t)
+    full:      u_t = -[pi_t (log pi_t + H_t) - S2_t],   S2_t = sum_k pi_k^2 log pi_k + H_t sum_k pi_k^2
+    param:     u_t = <D grad_theta Hbar, grad_theta log pi_t>   (through the network's parameters; see param_flow)
 
-OPEFO splits the batch into S+ = {d_t > 0} and S- = {d_t < 0}, with P = sum_{S+} d_t and N = sum_{S-} |d_t|,
+The first four treat each position's logits as free parameters of a softmax (tabular); ``param`` is the exact first
+order change of the batch's mean token entropy Hbar in the real network, under the optimizer's preconditioner D.
+
+OPEFO splits the batch into S+ = {d_t > 0} and S- = {d_t < 0}, with P = sum_{S+} f_t d_t and N = sum_{S-} f_t |d_t|,
 and rescales the two sets by 1 +/- lambda*, lambda* = (N - P) / (N + P), so that (1 + lambda*) P = (1 - lambda*) N:
-the reweighted first-order entropy flow of the batch is zero.
+the first-order entropy flow of the update the loss applies is zero.
 
 Example:
     >>> import torch
@@ -34,8 +40,23 @@ from dataclasses import dataclass
 
 import torch
 
-FLOW_ESTIMATES = ("opefo", "onaction", "sign", "full")
+#: Estimates from the softmax of one position (need log pi_t and H_t; `full` also two vocabulary sums).
+TABULAR_ESTIMATES = ("opefo", "onaction", "sign", "full")
+#: Every estimate; `param` needs the network (opefo_trl.param_flow computes its u_t).
+FLOW_ESTIMATES = (*TABULAR_ESTIMATES, "param")
 SIDES = ("both", "increase_only", "decrease_only")
+
+
+def check_choice(name: str, value, choices) -> None:
+    """Raise a ValueError naming the option and its valid values when ``value`` is not one of ``choices``.
+
+    >>> check_choice("opefo_sides", "left", SIDES)
+    Traceback (most recent call last):
+    ...
+    ValueError: Unknown opefo_sides 'left'; choose one of ('both', 'increase_only', 'decrease_only').
+    """
+    if value not in choices:
+        raise ValueError(f"Unknown {name} {value!r}; choose one of {tuple(choices)}.")
 
 
 def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -52,6 +73,45 @@ def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def flow_per_unit_advantage(
+    logps: torch.Tensor,
+    entropies: torch.Tensor,
+    estimate: str = "opefo",
+    sum_sq_probs: torch.Tensor | None = None,
+    sum_sq_probs_log_probs: torch.Tensor | None = None,
+    entropy_alignment: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """u_t, the first-order entropy change of a step on token t per unit of its advantage (fp32, detached, (B, T)).
+
+    Args:
+        logps: (B, T) log-probability of the sampled tokens.
+        entropies: (B, T) entropy of the policy at each position.
+        estimate: one of ``FLOW_ESTIMATES``.
+        sum_sq_probs, sum_sq_probs_log_probs: (B, T) sum_k pi_k^2 and sum_k pi_k^2 log pi_k; only for ``full``.
+        entropy_alignment: (B, T) <D grad Hbar, grad log pi_t>; only for ``param``.
+    """
+    check_choice("entropy-flow estimate", estimate, FLOW_ESTIMATES)
+    logps = logps.detach().float()
+    if estimate == "param":
+        if entropy_alignment is None:
+            raise ValueError("The `param` entropy-flow estimate needs entropy_alignment (see opefo_trl.param_flow).")
+        return entropy_alignment.detach().float().expand_as(logps)
+    entropies = entropies.detach().float()
+    surprise_gap = logps + entropies  # log pi_t + H_t: > 0 for tokens more likely than "typical"
+    if estimate == "sign":
+        return -surprise_gap
+    probs = logps.exp()
+    if estimate == "opefo":
+        return -(1.0 - probs).square() * surprise_gap
+    if estimate == "onaction":
+        return -probs * (1.0 - probs) * surprise_gap
+    if sum_sq_probs is None or sum_sq_probs_log_probs is None:
+        raise ValueError("The `full` entropy-flow estimate needs sum_sq_probs and sum_sq_probs_log_probs.")
+    s2 = sum_sq_probs_log_probs.detach().float() + entropies * sum_sq_probs.detach().float()
+    return -(probs * surprise_gap - s2)
+
+
+@torch.no_grad()
 def entropy_flow(
     logps: torch.Tensor,
     entropies: torch.Tensor,
@@ -59,41 +119,23 @@ def entropy_flow(
     estimate: str = "opefo",
     sum_sq_probs: torch.Tensor | None = None,
     sum_sq_probs_log_probs: torch.Tensor | None = None,
+    entropy_alignment: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-token first-order entropy change d_t of a policy-gradient step (fp32, detached).
+    """Per-token first-order entropy change d_t = A_t u_t of a policy-gradient step (fp32, detached, (B, T)).
 
-    Args:
-        logps: (B, T) log-probability of the sampled tokens.
-        entropies: (B, T) entropy of the policy at each position.
-        advantages: (B,) sequence-level or (B, T) token-level advantages.
-        estimate: one of ``FLOW_ESTIMATES``.
-        sum_sq_probs, sum_sq_probs_log_probs: (B, T) sum_k pi_k^2 and sum_k pi_k^2 log pi_k; only for ``full``.
+    ``advantages`` is (B,) sequence-level or (B, T) token-level; the other arguments as in
+    ``flow_per_unit_advantage``.
     """
-    if estimate not in FLOW_ESTIMATES:
-        raise ValueError(f"Unknown entropy-flow estimate {estimate!r}; choose one of {FLOW_ESTIMATES}.")
-    logps = logps.detach().float()
-    entropies = entropies.detach().float()
-    adv = _per_token(advantages.detach(), logps)
-    surprise_gap = logps + entropies  # log pi_t + H_t: > 0 for tokens more likely than "typical"
-    if estimate == "sign":
-        return -adv * surprise_gap
-    probs = logps.exp()
-    if estimate == "opefo":
-        return -adv * (1.0 - probs).square() * surprise_gap
-    if estimate == "onaction":
-        return -adv * probs * (1.0 - probs) * surprise_gap
-    if sum_sq_probs is None or sum_sq_probs_log_probs is None:
-        raise ValueError("The `full` entropy-flow estimate needs sum_sq_probs and sum_sq_probs_log_probs.")
-    s2 = sum_sq_probs_log_probs.detach().float() + entropies * sum_sq_probs.detach().float()
-    return -adv * (probs * surprise_gap - s2)
+    unit = flow_per_unit_advantage(logps, entropies, estimate, sum_sq_probs, sum_sq_probs_log_probs, entropy_alignment)
+    return _per_token(advantages.detach(), unit) * unit
 
 
 @dataclass
 class FlowStats:
     """Sums over a batch (and, once reduced, over all ranks) that define lambda*.
 
-    increase = P (sum of d_t over S+), decrease = N (sum of |d_t| over S-), and the token counts of S+, S- and
-    of all valid tokens. Everything is a sum so that ranks and micro-batches combine by addition.
+    increase = P (sum of f_t d_t over S+), decrease = N (sum of f_t |d_t| over S-), and the token counts of S+, S-
+    and of all tokens in the loss (f_t > 0). Everything is a sum so that ranks and micro-batches combine by addition.
     """
 
     increase: torch.Tensor
@@ -117,7 +159,7 @@ class FlowStats:
 
     @property
     def net(self) -> torch.Tensor:
-        """Net first-order entropy flow P - N of the unweighted update."""
+        """Net first-order entropy flow P - N."""
         return self.increase - self.decrease
 
     @property
@@ -138,18 +180,22 @@ class FlowStats:
 
 
 @torch.no_grad()
-def flow_stats(flow: torch.Tensor, mask: torch.Tensor) -> FlowStats:
-    """P, N and the set sizes of the valid (mask > 0) tokens of ``flow``, as fp64 sums."""
+def flow_stats(flow: torch.Tensor, factor: torch.Tensor) -> FlowStats:
+    """P, N and the set sizes of the flow ``factor * flow`` of the tokens in the loss (factor > 0), as fp64 sums.
+
+    ``factor`` is a 0/1 loss mask or, more generally, the per-token factor of the applied update (>= 0).
+    """
     flow = flow.double()
-    valid = mask.bool()
-    increasing = valid & (flow > 0)
-    decreasing = valid & (flow < 0)
+    factor = factor.double()
+    in_loss = factor > 0
+    increasing = in_loss & (flow > 0)
+    decreasing = in_loss & (flow < 0)
     return FlowStats(
-        increase=flow.where(increasing, 0.0).sum(),
-        decrease=(-flow).where(decreasing, 0.0).sum(),
+        increase=(factor * flow).where(increasing, 0.0).sum(),
+        decrease=-(factor * flow).where(decreasing, 0.0).sum(),
         increase_tokens=increasing.sum().double(),
         decrease_tokens=decreasing.sum().double(),
-        tokens=valid.sum().double(),
+        tokens=in_loss.sum().double(),
     )
 
 
@@ -167,8 +213,7 @@ def token_weights(flow: torch.Tensor, lam: torch.Tensor | float, sides: str = "b
     ``lam`` in [-1, 1] keeps every weight non-negative, which is what makes multiplying the advantage by the
     weight exactly equivalent to weighting the per-token loss for every TRL loss type, clipping included.
     """
-    if sides not in SIDES:
-        raise ValueError(f"Unknown sides {sides!r}; choose one of {SIDES}.")
+    check_choice("opefo_sides", sides, SIDES)
     lam = torch.as_tensor(lam, dtype=torch.float32, device=flow.device)
     ones = torch.ones_like(flow, dtype=torch.float32)
     up = ones + lam if sides in ("both", "increase_only") else ones

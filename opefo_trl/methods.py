@@ -2,40 +2,46 @@
 
 Pure torch, no TRL import. The trainer (``opefo_trl.trainer``) is the only glue; a method only sees tensors.
 
-A method is a small object with up to three hooks, all optional:
+A method is a class with a settings dataclass and up to three hooks, all optional:
 
+- ``Settings``: a dataclass whose fields are the method's options, each declared once with its default, its ``help``
+  and (in ``__post_init__``) its validation. ``OPEFOConfig`` inherits the built-in methods' settings, so they are
+  options of every TRL parser and recipe; the method is built from the config by keyword (``from_config``).
 - ``rollout_weights(batch, reduce_sum)``: once per rollout batch, before the first backward, on the whole local
   rollout batch. Returns detached (B, T) weights multiplied into the advantages (OPEFO: lambda* needs every token
   of the optimizer step). ``reduce_sum`` sums a tensor over data-parallel ranks.
 - ``micro_batch_terms(batch, logps, reduce_sum)``: on every micro-batch inside the loss, with the current
   log-probs ``logps`` still attached to the graph. Returns ``TokenTerms``: weights for the advantages and/or an
   extra per-token loss term (aggregated by the trainer exactly like the policy loss).
-- ``on_optimizer_step(reduce_sum)``: once per optimizer step, after the last micro-batch (controllers).
+- ``on_optimizer_step(reduce_sum)``: once per optimizer step, after the last micro-batch (controllers, metrics).
 
 Because every weight is >= 0, scaling the per-token advantage by it is exactly the reweighted loss for every TRL
 loss type, clipping included, and TRL's normalisation, KL term, entropy bonus and vLLM correction stay untouched.
 
-Add a method by subclassing ``TokenMethod`` and decorating it with ``@register_token_method("name")``.
+Add a method by subclassing ``TokenMethod`` and decorating it with ``@register_token_method("name")``
+(CONTRIBUTING.md has the checklist).
 
 Example:
     >>> import torch
     >>> par = build_token_method("par", par_coef=0.5)
     >>> batch = TokenBatch(logps=torch.zeros(2, 3), entropies=torch.ones(2, 3),
-    ...                    advantages=torch.tensor([[1.0] * 3, [-1.0] * 3]), mask=torch.ones(2, 3))
+    ...                    advantages=torch.tensor([[1.0] * 3, [-1.0] * 3]), factor=torch.ones(2, 3))
     >>> par.micro_batch_terms(batch, batch.logps).weights[:, 0].tolist()
     [0.5, 1.0]
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
-from .entropy_flow import FLOW_ESTIMATES, SIDES, FlowStats, entropy_flow, flow_stats, token_weights
+from .entropy_flow import SIDES, FlowStats, check_choice, flow_stats, token_weights
 
 ReduceSum = Callable[[torch.Tensor], torch.Tensor]
 
@@ -44,29 +50,35 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def setting(default, help: str):
+    """A settings field: its default and the ``help`` text TRL's parsers print (``--help``, recipes)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class TokenBatch:
     """Detached per-token quantities of a (micro- or rollout) batch, all (B, T).
 
     ``logps``/``entropies`` are those of the current policy at the training temperature; ``advantages`` are the
-    GRPO advantages broadcast per token; ``old_logps`` are the behaviour policy's when TRL tracks them (off-policy
-    or vLLM correction), else None (strict on-policy: the ratio is 1). ``sum_sq_probs`` and
-    ``sum_sq_probs_log_probs`` are filled only for the ``full`` entropy-flow estimate.
+    GRPO advantages broadcast per token (before this method's weights); ``factor`` is the per-token factor of the
+    update TRL's loss applies to A_t grad log pi_t (loss and tool masks, loss normalisation, vLLM importance weights,
+    off-policy and entropy masks; 0 for a token that is not in the loss). ``flow`` is d_t, the first-order entropy
+    change of each token's update with the configured estimate (see ``entropy_flow``), when the method needs it.
+    ``old_logps`` are the behaviour policy's when TRL tracks them (off-policy or vLLM correction), else None (strict
+    on-policy: the ratio is 1).
     """
 
     logps: torch.Tensor
     entropies: torch.Tensor
     advantages: torch.Tensor
-    mask: torch.Tensor
+    factor: torch.Tensor
+    flow: torch.Tensor | None = None
     old_logps: torch.Tensor | None = None
-    sum_sq_probs: torch.Tensor | None = None
-    sum_sq_probs_log_probs: torch.Tensor | None = None
 
-    def flow(self, estimate: str) -> torch.Tensor:
-        """Per-token entropy flow d_t of this batch (SPEC.md section 1)."""
-        return entropy_flow(
-            self.logps, self.entropies, self.advantages, estimate, self.sum_sq_probs, self.sum_sq_probs_log_probs
-        )
+    @property
+    def in_loss(self) -> torch.Tensor:
+        """Boolean (B, T): the tokens the loss acts on (factor > 0); windows and counts are taken over these."""
+        return self.factor > 0
 
 
 @dataclass
@@ -77,27 +89,52 @@ class TokenTerms:
     extra_loss: torch.Tensor | None = None
 
 
+@dataclass
+class NoSettings:
+    """A method without options."""
+
+
 class TokenMethod:
-    """Base class: plain GRPO (weights 1, no extra term). Subclasses override the hooks they need."""
+    """Base class: plain GRPO (weights 1, no extra term). Subclasses override the hooks they need.
+
+    Build with the settings' fields as keywords (``PAR(par_coef=0.5)``) or from a config (``PAR.from_config(args)``).
+    """
 
     name: ClassVar[str] = "grpo"
+    Settings: ClassVar[type] = NoSettings
     #: Needs statistics over the whole rollout batch before the first backward (one update per rollout batch).
     needs_rollout_pass: ClassVar[bool] = False
     #: Refuses off-policy configurations unless the user opts in.
     on_policy_only: ClassVar[bool] = False
 
-    def __init__(self) -> None:
+    def __init__(self, settings=None, **values) -> None:
+        if settings is not None and values:
+            raise TypeError("Pass either a settings object or its fields as keywords, not both.")
+        if settings is not None and not isinstance(settings, self.Settings):
+            raise TypeError(
+                f"{type(self).__name__} takes a {self.Settings.__name__} or its fields as keywords, got "
+                f"{type(settings).__name__}; e.g. {type(self).__name__}(**{{'<field>': value}})."
+            )
+        self.settings = self.Settings(**values) if settings is None else settings  # validated on construction
         self.metrics: dict[str, float] = {}
 
     @classmethod
-    def from_args(cls, args) -> TokenMethod:
-        """Build from a config object (``OPEFOConfig``) by reading the attributes the method needs."""
-        return cls()
+    def settings_from(cls, config):
+        """This method's settings read, by name, from a config object (``OPEFOConfig`` or a user's subclass)."""
+        names = [f.name for f in dataclasses.fields(cls.Settings)]
+        missing = [name for name in names if not hasattr(config, name)]
+        if missing:
+            raise ValueError(
+                f"method={cls.name!r} reads the settings {missing}, which {type(config).__name__} does not have. Give "
+                f"the config class these fields, e.g. `@dataclass class MyConfig(OPEFOConfig, {cls.Settings.__name__})"
+                ": pass`."
+            )
+        return cls.Settings(**{name: getattr(config, name) for name in names})
 
-    @property
-    def needs_vocab_stats(self) -> bool:
-        """Whether batches must carry ``sum_sq_probs`` / ``sum_sq_probs_log_probs``."""
-        return False
+    @classmethod
+    def from_config(cls, config) -> TokenMethod:
+        """Build from a config object; subclasses that also read TRL options (e.g. epsilon) override this."""
+        return cls(cls.settings_from(config))
 
     def rollout_weights(self, batch: TokenBatch, reduce_sum: ReduceSum = _identity) -> torch.Tensor | None:
         return None
@@ -114,6 +151,10 @@ class TokenMethod:
         """Metrics produced since the last call (already reduced over ranks)."""
         metrics, self.metrics = self.metrics, {}
         return metrics
+
+    def regime_warning(self) -> str | None:
+        """A message for the user, once, when the method runs far outside the regime it was designed for."""
+        return None
 
     def state_dict(self) -> dict:
         return {}
@@ -144,9 +185,9 @@ def get_token_method_class(name: str) -> type[TokenMethod]:
     return TOKEN_METHODS[name]
 
 
-def build_token_method(name: str, **kwargs) -> TokenMethod:
-    """Instantiate a registered method by name, e.g. ``build_token_method("opefo", estimate="full")``."""
-    return get_token_method_class(name)(**kwargs)
+def build_token_method(name: str, **settings) -> TokenMethod:
+    """Instantiate a registered method by name, e.g. ``build_token_method("opefo", opefo_sides="increase_only")``."""
+    return get_token_method_class(name)(**settings)
 
 
 register_token_method("grpo")(TokenMethod)
@@ -157,99 +198,149 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def covariance_scores(batch: TokenBatch) -> torch.Tensor:
-    """cov_t = (A_t - mean A)(log pi_t - mean log pi), means over the valid tokens of the micro-batch (detached)."""
-    mask = batch.mask.float()
+    """cov_t = (A_t - mean A)(log pi_t - mean log pi), means over the micro-batch's tokens in the loss (detached)."""
+    mask = batch.in_loss.float()
     adv = batch.advantages.float()
     logps = batch.logps.float()
     return (adv - _masked_mean(adv, mask)) * (logps - _masked_mean(logps, mask))
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# OPEFO (SPEC.md section 2)
+# OPEFO (docs/algorithm.md section 3)
 # --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class OPEFOSettings:
+    """Options of ``method="opefo"``."""
+
+    opefo_lambda: float | None = setting(
+        None, "Fixed lambda in [-1, 1] instead of the balancing lambda* (the paper's static-lambda ablation)."
+    )
+    opefo_sides: str = setting(
+        "both", "Which set OPEFO rescales: 'both', 'increase_only' (S+) or 'decrease_only' (S-) (paper ablations)."
+    )
+    opefo_lambda_warn: float = setting(
+        0.1,
+        "Warn once when |lambda*| averaged over the last 20 optimizer steps exceeds this: the paper's lambda* is "
+        "~1e-3, and a large one means the entropy flow is far from balanced, so OPEFO's reweighting is no longer a "
+        "small correction.",
+    )
+
+    def __post_init__(self):
+        check_choice("opefo_sides", self.opefo_sides, SIDES)
+        if self.opefo_lambda is not None and not -1.0 <= self.opefo_lambda <= 1.0:
+            raise ValueError(
+                "opefo_lambda must lie in [-1, 1] (token weights 1 +/- lambda must stay >= 0); "
+                f"got {self.opefo_lambda}."
+            )
+        if not self.opefo_lambda_warn > 0:
+            raise ValueError(f"opefo_lambda_warn must be > 0; got {self.opefo_lambda_warn}.")
 
 
 @register_token_method("opefo")
 class OPEFO(TokenMethod):
     """On-Policy Entropy Flow Optimization: rescale S+ / S- by 1 +/- lambda* so the batch's net entropy flow is 0.
 
-    Args:
-        estimate: per-token entropy-flow estimate (``FLOW_ESTIMATES``).
-        fixed_lambda: use this lambda instead of lambda* (the paper's static-lambda ablation); None for lambda*.
-        sides: ``both``, or rescale only one set (``increase_only`` / ``decrease_only``).
+    The flow d_t comes with the batch (the trainer computes it with ``entropy_flow_estimate``) and every sum is
+    weighted by the batch's ``factor``, so lambda* balances the update the loss really applies.
     """
 
+    Settings = OPEFOSettings
     needs_rollout_pass = True
     on_policy_only = True
+    #: Optimizer steps over which the regime guard averages |lambda*|.
+    REGIME_WINDOW = 20
 
-    def __init__(self, estimate: str = "opefo", fixed_lambda: float | None = None, sides: str = "both") -> None:
-        super().__init__()
-        if estimate not in FLOW_ESTIMATES:
-            raise ValueError(f"Unknown entropy-flow estimate {estimate!r}; choose one of {FLOW_ESTIMATES}.")
-        if sides not in SIDES:
-            raise ValueError(f"Unknown opefo_sides {sides!r}; choose one of {SIDES}.")
-        if fixed_lambda is not None and not -1.0 <= fixed_lambda <= 1.0:
-            raise ValueError(
-                f"opefo_lambda must lie in [-1, 1] (token weights 1 +/- lambda must stay >= 0); got {fixed_lambda}."
-            )
-        self.estimate, self.fixed_lambda, self.sides = estimate, fixed_lambda, sides
-
-    @classmethod
-    def from_args(cls, args) -> OPEFO:
-        return cls(args.entropy_flow_estimate, args.opefo_lambda, args.opefo_sides)
-
-    @property
-    def needs_vocab_stats(self) -> bool:
-        return self.estimate == "full"
+    def __init__(self, settings: OPEFOSettings | None = None, **values) -> None:
+        super().__init__(settings, **values)
+        self._recent_lambdas: deque[float] = deque(maxlen=self.REGIME_WINDOW)
+        self._rollout_metrics: dict[str, float] = {}
+        self._warned = False
 
     def rollout_weights(self, batch: TokenBatch, reduce_sum: ReduceSum = _identity) -> torch.Tensor:
-        flow = batch.flow(self.estimate)
-        stats = FlowStats.from_tensor(reduce_sum(flow_stats(flow, batch.mask).to_tensor()))
-        lam = stats.lambda_star if self.fixed_lambda is None else torch.tensor(self.fixed_lambda)
-        weights = token_weights(flow, lam.float(), self.sides)
-        weighted = reduce_sum(flow_stats(flow * weights, batch.mask).to_tensor())
-        self.metrics = {
-            **stats.metrics(),
+        if batch.flow is None:
+            raise ValueError("OPEFO needs the batch's entropy flow (TokenBatch.flow).")
+        stats = FlowStats.from_tensor(reduce_sum(flow_stats(batch.flow, batch.factor).to_tensor()))
+        fixed = self.settings.opefo_lambda
+        lam = stats.lambda_star if fixed is None else torch.tensor(fixed, dtype=torch.float64)
+        weights = token_weights(batch.flow, lam.float(), self.settings.opefo_sides)
+        weighted = FlowStats.from_tensor(reduce_sum(flow_stats(batch.flow * weights, batch.factor).to_tensor()))
+        self._recent_lambdas.append(abs(float(stats.lambda_star)))
+        self._rollout_metrics = {
+            "opefo/lambda": float(stats.lambda_star),
             "opefo/lambda_applied": float(lam),
-            "opefo/weighted_net": float(FlowStats.from_tensor(weighted).net),
+            "opefo/weighted_net": float(weighted.net),
         }
         return weights
 
+    def on_optimizer_step(self, reduce_sum: ReduceSum = _identity) -> None:
+        # Logged on every optimizer step, also when one rollout batch serves several (off-policy opt-in).
+        self.metrics = dict(self._rollout_metrics)
+
+    def regime_warning(self) -> str | None:
+        if self._warned or len(self._recent_lambdas) < self.REGIME_WINDOW:
+            return None
+        mean = sum(self._recent_lambdas) / len(self._recent_lambdas)
+        if mean <= self.settings.opefo_lambda_warn:
+            return None
+        self._warned = True
+        return (
+            f"OPEFO: |lambda*| averaged over the last {self.REGIME_WINDOW} optimizer steps is {mean:.3g} "
+            f"(> opefo_lambda_warn={self.settings.opefo_lambda_warn:g}). The entropy flow of these batches is far "
+            f"from balanced: in the OPEFO paper lambda* stays around 2.5e-4..1.75e-3 (net flow ~0.1% of the gross), "
+            f"while here tokens are reweighted by 1 +/- {mean:.2f}, which can fight the learning signal instead of "
+            "gently correcting it. Check what the updates really do with entropy_flow_audit_steps=1 (logs "
+            "entropy_flow/measured_delta), and try the exact estimate entropy_flow_estimate='param'. "
+            "docs/algorithm.md ('The regime') explains when OPEFO applies."
+        )
+
 
 # --------------------------------------------------------------------------------------------------------------------
-# Positive-Advantage Reweighting (SPEC.md section 3)
+# Positive-Advantage Reweighting (docs/algorithm.md section 5)
 # --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PARSettings:
+    """Options of ``method="par"``."""
+
+    par_coef: float | None = setting(
+        None, "PAR: constant weight in [0, 1] of positive-advantage tokens; None for the entropy-guided controller."
+    )
+    par_coef_init: float = setting(0.0, "PAR controller: initial coefficient in [0, 1].")
+    par_entropy_target: float = setting(0.2, "PAR controller: target mean token entropy of an optimizer step.")
+    par_coef_step: float = setting(0.05, "PAR controller: change of the coefficient per optimizer step.")
+
+    def __post_init__(self):
+        for name in ("par_coef", "par_coef_init"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must lie in [0, 1]; got {value}.")
+        if not self.par_coef_step > 0:
+            raise ValueError(f"par_coef_step must be > 0; got {self.par_coef_step}.")
 
 
 @register_token_method("par")
 class PAR(TokenMethod):
     """Positive-Advantage Reweighting: tokens with A_t > 0 are weighted by c in [0, 1], the rest by 1.
 
-    With ``coef=None`` an entropy-guided controller sets c once per optimizer step from the global mean token
-    entropy H of that step: c <- clip(c - step, 0, 1) if H < target else clip(c + step, 0, 1).
+    With ``par_coef=None`` an entropy-guided controller sets c once per optimizer step from the global mean token
+    entropy H of that step (over the tokens in the loss): c <- clip(c - step, 0, 1) if H < target, else
+    clip(c + step, 0, 1).
     """
 
-    def __init__(
-        self, coef: float | None = None, coef_init: float = 0.0, entropy_target: float = 0.2, coef_step: float = 0.05
-    ) -> None:
-        super().__init__()
-        for name, value in (("par_coef", coef), ("par_coef_init", coef_init)):
-            if value is not None and not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name} must lie in [0, 1]; got {value}.")
-        if coef_step <= 0:
-            raise ValueError(f"par_coef_step must be > 0; got {coef_step}.")
-        self.adaptive = coef is None
-        self.coef = coef_init if coef is None else coef
-        self.entropy_target, self.coef_step = entropy_target, coef_step
-        self._entropy_sums: torch.Tensor | None = None  # this step's sum of H over valid tokens, and token count
+    Settings = PARSettings
 
-    @classmethod
-    def from_args(cls, args) -> PAR:
-        return cls(args.par_coef, args.par_coef_init, args.par_entropy_target, args.par_coef_step)
+    def __init__(self, settings: PARSettings | None = None, **values) -> None:
+        super().__init__(settings, **values)
+        self.adaptive = self.settings.par_coef is None
+        self.coef = self.settings.par_coef_init if self.adaptive else self.settings.par_coef
+        self._entropy_sums: torch.Tensor | None = None  # this step's sum of H over tokens in the loss, and count
 
     def micro_batch_terms(self, batch, logps, reduce_sum=_identity) -> TokenTerms:
-        mask = batch.mask.float()
-        sums = torch.stack([(batch.entropies.float() * mask).sum(), mask.sum()]).double()
+        in_loss = batch.in_loss.float()
+        sums = torch.stack([(batch.entropies.float() * in_loss).sum(), in_loss.sum()]).double()
         self._entropy_sums = sums if self._entropy_sums is None else self._entropy_sums + sums
         ones = torch.ones_like(batch.advantages, dtype=torch.float32)
         return TokenTerms(weights=torch.where(batch.advantages > 0, ones * self.coef, ones))
@@ -261,7 +352,11 @@ class PAR(TokenMethod):
         entropy = float(total[0] / total[1].clamp(min=1))
         self.metrics = {"par/coef": self.coef, "par/entropy": entropy}
         if self.adaptive:
-            delta = -self.coef_step if entropy < self.entropy_target else self.coef_step
+            delta = (
+                -self.settings.par_coef_step
+                if entropy < self.settings.par_entropy_target
+                else self.settings.par_coef_step
+            )
             self.coef = min(1.0, max(0.0, self.coef + delta))
 
     def state_dict(self) -> dict:
@@ -274,7 +369,7 @@ class PAR(TokenMethod):
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Clip-Cov and KL-Cov (SPEC.md section 4)
+# Clip-Cov and KL-Cov (docs/algorithm.md section 6)
 # --------------------------------------------------------------------------------------------------------------------
 
 
@@ -282,40 +377,48 @@ def _count(fraction: float, n_valid: torch.Tensor) -> int:
     return max(1, int(fraction * int(n_valid)))
 
 
+@dataclass
+class ClipCovSettings:
+    """Options of ``method="clip_cov"``."""
+
+    clip_cov_ratio: float = setting(2e-4, "Clip-Cov: fraction of the tokens in the loss whose gradient is dropped.")
+    clip_cov_lb: float = setting(1.0, "Clip-Cov: lower bound of the covariance window.")
+    clip_cov_ub: float = setting(5.0, "Clip-Cov: upper bound of the covariance window.")
+
+    def __post_init__(self):
+        if not 0.0 < self.clip_cov_ratio <= 1.0:
+            raise ValueError(f"clip_cov_ratio must lie in (0, 1]; got {self.clip_cov_ratio}.")
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise ValueError(f"clip_cov_lb must be < clip_cov_ub; got {self.clip_cov_lb} >= {self.clip_cov_ub}.")
+
+
 @register_token_method("clip_cov")
 class ClipCov(TokenMethod):
     """Clip-Cov: drop the gradient of a few random tokens whose covariance score lies in (lb, ub).
 
-    ``max(1, int(ratio * n_valid))`` tokens are picked uniformly among valid, not PPO-clipped tokens with
-    lb < cov_t < ub (all of them if fewer qualify); their loss weight is 0.
+    ``max(1, int(ratio * n))`` tokens (n: tokens in the loss) are picked uniformly among the tokens in the loss that
+    PPO's clip has not already removed, with lb < cov_t < ub (all of them if fewer qualify); their loss weight is 0.
+    ``epsilon_low`` / ``epsilon_high`` are TRL's clip range (``epsilon``, ``epsilon_high``).
     """
 
+    Settings = ClipCovSettings
+
     def __init__(
-        self,
-        ratio: float = 2e-4,
-        lower: float = 1.0,
-        upper: float = 5.0,
-        epsilon_low: float = 0.2,
-        epsilon_high: float = 0.2,
+        self, settings: ClipCovSettings | None = None, *, epsilon_low: float = 0.2, epsilon_high: float = 0.2, **values
     ) -> None:
-        super().__init__()
-        if not 0.0 < ratio <= 1.0:
-            raise ValueError(f"clip_cov_ratio must lie in (0, 1]; got {ratio}.")
-        if not lower < upper:
-            raise ValueError(f"clip_cov_lb must be < clip_cov_ub; got {lower} >= {upper}.")
-        self.ratio, self.lower, self.upper = ratio, lower, upper
+        super().__init__(settings, **values)
         self.epsilon_low, self.epsilon_high = epsilon_low, epsilon_high
 
     @classmethod
-    def from_args(cls, args) -> ClipCov:
+    def from_config(cls, config) -> ClipCov:
         # TRL leaves epsilon_high None to mean "same as epsilon".
-        epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
-        return cls(args.clip_cov_ratio, args.clip_cov_lb, args.clip_cov_ub, args.epsilon, epsilon_high)
+        epsilon_high = config.epsilon if config.epsilon_high is None else config.epsilon_high
+        return cls(cls.settings_from(config), epsilon_low=config.epsilon, epsilon_high=epsilon_high)
 
     def ppo_clipped(self, batch: TokenBatch) -> torch.Tensor:
         """Tokens whose gradient PPO's clip already removes (ratio outside the trust region, clipped direction)."""
         if batch.old_logps is None:
-            return torch.zeros_like(batch.mask, dtype=torch.bool)
+            return torch.zeros_like(batch.in_loss)
         ratio = (batch.logps - batch.old_logps).exp()
         low = (ratio < 1 - self.epsilon_low) & (batch.advantages < 0)
         high = (ratio > 1 + self.epsilon_high) & (batch.advantages > 0)
@@ -323,19 +426,21 @@ class ClipCov(TokenMethod):
 
     def select(self, batch: TokenBatch) -> torch.Tensor:
         """Boolean (B, T) mask of the tokens whose gradient is dropped."""
-        valid = batch.mask.bool()
+        in_loss = batch.in_loss
         cov = covariance_scores(batch)
-        candidates = valid & ~self.ppo_clipped(batch) & (cov > self.lower) & (cov < self.upper)
-        chosen = torch.zeros_like(valid)
+        window = (cov > self.settings.clip_cov_lb) & (cov < self.settings.clip_cov_ub)
+        candidates = in_loss & ~self.ppo_clipped(batch) & window
+        chosen = torch.zeros_like(in_loss)
         index = candidates.flatten().nonzero().squeeze(1)
         if index.numel() > 0:
-            keep = index[torch.randperm(index.numel(), device=index.device)[: _count(self.ratio, valid.sum())]]
+            count = _count(self.settings.clip_cov_ratio, in_loss.sum())
+            keep = index[torch.randperm(index.numel(), device=index.device)[:count]]
             chosen.view(-1)[keep] = True
         return chosen
 
     def micro_batch_terms(self, batch, logps, reduce_sum=_identity) -> TokenTerms:
         dropped = self.select(batch)
-        counts = reduce_sum(torch.stack([dropped.sum(), batch.mask.bool().sum()]).double())
+        counts = reduce_sum(torch.stack([dropped.sum(), batch.in_loss.sum()]).double())
         self.metrics = {"clip_cov/dropped_frac": float(counts[0] / counts[1].clamp(min=1))}
         return TokenTerms(weights=(~dropped).float())
 
@@ -344,25 +449,35 @@ class ClipCov(TokenMethod):
 KL_COV_NO_CLIP = 1e9
 
 
+@dataclass
+class KLCovSettings:
+    """Options of ``method="kl_cov"``."""
+
+    kl_cov_ratio: float = setting(
+        2e-3, "KL-Cov: fraction of the tokens in the loss (top by covariance) given the KL penalty."
+    )
+    kl_cov_coef: float = setting(1.0, "KL-Cov: coefficient of the |log ratio| penalty.")
+
+    def __post_init__(self):
+        if not 0.0 < self.kl_cov_ratio <= 1.0:
+            raise ValueError(f"kl_cov_ratio must lie in (0, 1]; got {self.kl_cov_ratio}.")
+        if self.kl_cov_coef < 0:
+            raise ValueError(f"kl_cov_coef must be >= 0; got {self.kl_cov_coef}.")
+
+
 @register_token_method("kl_cov")
 class KLCov(TokenMethod):
     """KL-Cov: add ``coef * |log r_t|`` to the loss of the top-k tokens by covariance score.
 
-    k = max(1, int(ratio * n_valid)). Under strict on-policy training log r = 0 and |x| has zero gradient at 0,
-    so KL-Cov is plain GRPO there; the published baselines take 8 updates per rollout batch.
+    k = max(1, int(ratio * n)). Under strict on-policy training log r = 0 and |x| has zero gradient at 0, so KL-Cov
+    is plain GRPO there; the published baselines take 8 updates per rollout batch.
     """
 
-    def __init__(self, ratio: float = 2e-3, coef: float = 1.0) -> None:
-        super().__init__()
-        if not 0.0 < ratio <= 1.0:
-            raise ValueError(f"kl_cov_ratio must lie in (0, 1]; got {ratio}.")
-        if coef < 0:
-            raise ValueError(f"kl_cov_coef must be >= 0; got {coef}.")
-        self.ratio, self.coef = ratio, coef
+    Settings = KLCovSettings
 
     @classmethod
-    def from_args(cls, args) -> KLCov:
-        strict = args.num_iterations == 1 and args.steps_per_generation == args.gradient_accumulation_steps
+    def from_config(cls, config) -> KLCov:
+        strict = config.num_iterations == 1 and config.steps_per_generation == config.gradient_accumulation_steps
         if strict:
             warnings.warn(
                 "method='kl_cov' in a strict on-policy configuration is inert: log r = 0 (up to sampler noise with "
@@ -370,20 +485,21 @@ class KLCov(TokenMethod):
                 "baselines take 8 updates per rollout (steps_per_generation = 8 * gradient_accumulation_steps).",
                 stacklevel=2,
             )
-        if args.epsilon < KL_COV_NO_CLIP:
+        if config.epsilon < KL_COV_NO_CLIP:
             warnings.warn(
-                f"method='kl_cov' runs on TRL's clipped loss (epsilon={args.epsilon}); the published KL-Cov has no PPO "
-                f"clipping (pg = -A r). Set epsilon and epsilon_high to {KL_COV_NO_CLIP:g} or more to switch it off.",
+                f"method='kl_cov' runs on TRL's clipped loss (epsilon={config.epsilon}); the published KL-Cov has no "
+                f"PPO clipping (pg = -A r). Set epsilon and epsilon_high to {KL_COV_NO_CLIP:g} or more to switch it "
+                "off.",
                 stacklevel=2,
             )
-        return cls(args.kl_cov_ratio, args.kl_cov_coef)
+        return cls(cls.settings_from(config))
 
     def select(self, batch: TokenBatch) -> torch.Tensor:
-        """Boolean (B, T) mask of the top-k valid tokens by covariance score."""
-        valid = batch.mask.bool()
-        cov = covariance_scores(batch).masked_fill(~valid, float("-inf")).flatten()
-        k = min(_count(self.ratio, valid.sum()), int(valid.sum()))
-        chosen = torch.zeros_like(valid)
+        """Boolean (B, T) mask of the top-k tokens in the loss by covariance score."""
+        in_loss = batch.in_loss
+        cov = covariance_scores(batch).masked_fill(~in_loss, float("-inf")).flatten()
+        k = min(_count(self.settings.kl_cov_ratio, in_loss.sum()), int(in_loss.sum()))
+        chosen = torch.zeros_like(in_loss)
         if k > 0:
             chosen.view(-1)[cov.topk(k).indices] = True
         return chosen
@@ -391,7 +507,11 @@ class KLCov(TokenMethod):
     def micro_batch_terms(self, batch, logps, reduce_sum=_identity) -> TokenTerms:
         chosen = self.select(batch)
         old = batch.logps if batch.old_logps is None else batch.old_logps
-        penalty = self.coef * (logps - old).abs() * chosen
-        counts = reduce_sum(torch.stack([chosen.sum(), batch.mask.bool().sum()]).double())
+        penalty = self.settings.kl_cov_coef * (logps - old).abs() * chosen
+        counts = reduce_sum(torch.stack([chosen.sum(), batch.in_loss.sum()]).double())
         self.metrics = {"kl_cov/penalised_frac": float(counts[0] / counts[1].clamp(min=1))}
         return TokenTerms(extra_loss=penalty)
+
+
+#: The settings dataclasses of the built-in methods (``OPEFOConfig`` inherits them).
+BUILTIN_METHOD_SETTINGS = (OPEFOSettings, PARSettings, ClipCovSettings, KLCovSettings)

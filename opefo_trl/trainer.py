@@ -2,22 +2,23 @@
 
 Where the algorithm touches TRL, and why there (the least copied TRL code for the exact algorithm):
 
-1. `_generate_and_score_completions` (once per rollout batch, whole local batch): for methods that need
-   statistics of the whole rollout batch before the first backward (OPEFO's lambda*), compute log pi_t and H_t of
-   the current policy, let the method turn them into detached fp32 token weights (its sums all-reduced over ranks),
-   and store `advantages * weights` as (B, T) advantages. TRL accepts (B, T) advantages everywhere, and since the
-   weights are >= 0 this is exactly the reweighted loss for every loss type, clipping, KL, entropy bonus, vLLM
-   importance correction, normalisation and metrics included. The statistics come from, in order of preference:
-   TRL's own no-grad scoring pass when it runs one (vLLM correction, off-policy), hooked to also return entropies
-   (no extra forward); the training forward itself when the rollout batch is a single micro-batch (no extra
-   forward); else one no-grad forward of ours.
-2. `_get_per_token_logps_and_entropies` (every forward that scores completions): captures those statistics, and,
-   for the `full` estimate, the final hidden states, from which a chunked pass over the (ZeRO-3 gathered) LM head
-   computes sum pi^2 and sum pi^2 log pi without materialising [tokens, vocab] logits.
+1. `_generate_and_score_completions` + `_prepare_inputs` (once per rollout batch): for methods that need the whole
+   rollout batch before the first backward (OPEFO's lambda*) and for the `param` estimate, take log pi_t and H_t
+   of the current policy (from TRL's own no-grad scoring pass when it runs one, else one no-grad pass of ours, or,
+   for a rollout batch that is a single micro-batch, the training forward itself), compute for every micro-batch
+   TRL will train on the per-token factor its loss applies (masks, normalisation, vLLM importance weights) and the
+   per-token entropy flow, let the method turn them into detached fp32 token weights (its sums all-reduced over
+   ranks), and store `advantages * weights` as (B, T) advantages in each micro-batch. TRL accepts (B, T) advantages
+   everywhere, and since the weights are >= 0 this is exactly the reweighted loss for every loss type.
+2. `_get_per_token_logps_and_entropies` (every scoring forward): captures those statistics, and, for the `full`
+   estimate, the final hidden states, from which a chunked pass over the (ZeRO-3 gathered) LM head computes
+   sum pi^2 and sum pi^2 log pi without materialising [tokens, vocab] logits.
 3. `_compute_loss` (every micro-batch): calls TRL's own loss on a copy of the inputs whose advantages the method
    may weight (PAR, Clip-Cov) from the current log-probs, adds the method's extra per-token loss (KL-Cov) aggregated
    like TRL's policy loss, accumulates the entropy-flow diagnostics, and at the optimizer-step boundary updates
    method controllers (PAR) and logs. TRL's `_compute_loss` is called, never copied, so its metrics keep flowing.
+4. After the optimizer step (a callback): every `entropy_flow_audit_steps` steps, re-score that step's batch and log
+   the measured change of its mean token entropy next to the predicted one.
 
 Example:
     >>> from opefo_trl import OPEFOConfig, OPEFOTrainer
@@ -36,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -44,17 +46,34 @@ from ._compat import check_trl_version
 
 check_trl_version()
 
+from transformers import TrainerCallback  # noqa: E402
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.models.utils import disable_gradient_checkpointing  # noqa: E402
 from trl.trainer.utils import maybe_gather_lm_head_ctx  # noqa: E402
 
-from .config import OPEFOConfig  # noqa: E402
-from .entropy_flow import FlowStats, flow_stats  # noqa: E402
+from .config import OPEFOConfig, with_opefo_settings  # noqa: E402
+from .entropy_flow import TABULAR_ESTIMATES, FlowStats, flow_per_unit_advantage, flow_stats  # noqa: E402
 from .methods import TokenBatch, TokenMethod, get_token_method_class  # noqa: E402
+from .param_flow import (  # noqa: E402
+    FD_RELATIVE_STEPS,
+    evaluate_on_both_sides,
+    finite_difference_step,
+    global_norm,
+    inner,
+    next_adam_step,
+    predicted_entropy_change,
+    relative_error,
+)
 from .vocab_stats import vocab_stats  # noqa: E402
 
 METHOD_STATE_NAME = "opefo_method_state.json"
+#: Keys this trainer adds to TRL's micro-batch dicts (they ride along TRL's shuffle and split).
+ROLLOUT_STATS = ("opefo_logps", "opefo_entropies", "opefo_sum_sq_probs", "opefo_sum_sq_probs_log_probs")
+UNIT_FLOW, FACTOR, ADVANTAGES = "opefo_unit_flow", "opefo_factor", "opefo_advantages"
+#: Warn when the `param` estimate's finite-difference check is off by more than this (relative).
+PARAM_CHECK_TOLERANCE = 0.05
+MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "token_type_ids")
 
 
 def _logit_scale(text_config) -> float:
@@ -68,45 +87,63 @@ def _logit_scale(text_config) -> float:
     return 1.0
 
 
-def _as_opefo_config(args: GRPOConfig | None, model) -> OPEFOConfig:
-    """Accept a plain GRPOConfig (drop-in use): same settings, OPEFO's defaults for the new fields."""
-    if args is None:
-        name = model if isinstance(model, str) else model.config._name_or_path
-        return OPEFOConfig(output_dir=f"{name.split('/')[-1]}-OPEFO")
-    if isinstance(args, OPEFOConfig):
-        return args
-    if not isinstance(args, GRPOConfig):
-        raise TypeError(f"OPEFOTrainer expects an OPEFOConfig (or a GRPOConfig), got {type(args).__name__}.")
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(GRPOConfig) if f.init}
-    # GRPOConfig derives generation_batch_size from steps_per_generation and refuses both set: re-derive it.
-    values["generation_batch_size"] = None
-    return OPEFOConfig(**values)
+def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return advantages.unsqueeze(1).expand_as(like) if advantages.dim() == 1 else advantages
+
+
+class _AfterOptimizerStep(TrainerCallback):
+    """Runs the entropy audit right after `optimizer.step()` (before the scheduler moves the learning rate)."""
+
+    def __init__(self, trainer: OPEFOTrainer):
+        self.trainer = trainer
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._audit_optimizer_step()
 
 
 class OPEFOTrainer(GRPOTrainer):
     """A drop-in [`~trl.GRPOTrainer`] whose per-token policy-gradient terms are weighted by a token method.
 
-    Takes exactly `GRPOTrainer`'s arguments. `args` is an [`OPEFOConfig`] (a `GRPOConfig` is converted, with
-    `method="opefo"`). Logged on top of TRL's metrics: `entropy_flow/{lambda,increase,decrease,net,
-    increase_token_frac,decrease_token_frac}` (reduced over ranks) and each method's own (`opefo/*`, `par/*`,
-    `clip_cov/*`, `kl_cov/*`).
+    Takes exactly `GRPOTrainer`'s arguments. `args` is an [`OPEFOConfig`], or a `GRPOConfig` (or subclass), which is
+    kept as it is (same object, class and fields) and given the OPEFO options with their defaults (`method="opefo"`).
+    Logged on top of TRL's metrics: `entropy_flow/{lambda,increase,decrease,net,increase_token_frac,
+    decrease_token_frac}` (with `entropy_flow_diagnostics`), `entropy_flow/{measured_delta,predicted_delta}` (with
+    `entropy_flow_audit_steps`), `entropy_flow/param_check_error` (`param` estimate), and each method's own
+    (`opefo/*`, `par/*`, `clip_cov/*`, `kl_cov/*`); all reduced over ranks.
     """
 
     _tag_names = ["trl", "grpo", "opefo"]
     _name = "OPEFO"
 
     def __init__(self, model, reward_funcs, args: OPEFOConfig | GRPOConfig | None = None, *pargs, **kwargs):
-        args = _as_opefo_config(args, model)
-        self.token_method: TokenMethod = get_token_method_class(args.method).from_args(args)
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = OPEFOConfig(output_dir=f"{name.split('/')[-1]}-OPEFO")
+        args = with_opefo_settings(args)
+        self.token_method: TokenMethod = get_token_method_class(args.method).from_config(args)
+        self.flow_estimate: str = args.entropy_flow_estimate
+        # The flow of the whole rollout batch is needed before the first backward.
+        self._rollout_flow = self.token_method.needs_rollout_pass or (
+            args.entropy_flow_diagnostics and self.flow_estimate == "param"
+        )
         # Per-call state of the hooks below (None when inactive).
         self._rollout_capture: dict | None = None  # statistics of the rollout batch being scored
+        self._rollout_pending = False  # a new rollout batch was generated and awaits its weights
+        self._weights_deferred = False  # rollout weights to be computed from the (single) training micro-batch
         self._loss_inputs: dict | None = None  # the micro-batch whose loss is being computed
         self._extra_loss: torch.Tensor | None = None
-        self._weights_deferred = False  # rollout weights to be computed from the (single) training micro-batch
-        self._diagnostics: FlowStats | None = None  # entropy flow accumulated over the optimizer step
         self._hidden_chunks: list[torch.Tensor] | None = None
-        self._hidden_hook = None
+        # Sums over the micro-batches of the current optimizer step (reduced over ranks at its end).
+        self._step_flow: FlowStats | None = None  # flow of the unweighted (GRPO) update
+        self._step_applied_net: torch.Tensor | None = None  # net flow of the update the loss applies
+        self._step_entropy: torch.Tensor | None = None  # sum of H over the step's tokens and their count
+        self._step_batches: list[dict] = []  # the step's micro-batches, kept for the audit
+        self._applied_net = None  # the last step's applied net flow, reduced (for predicted_delta)
+        self._param_prediction: dict | None = None  # how the next optimizer step scales the flow (param estimate)
+        self._pre_clip_grad_norm: float | None = None
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        self._refuse_unsupported_setup()
+        self.add_callback(_AfterOptimizerStep(self))
 
     # ----------------------------------------------------------------------------------------------------------------
     # Small helpers
@@ -119,50 +156,139 @@ class OPEFOTrainer(GRPOTrainer):
         for name, value in metrics.items():
             self._metrics["train"][name].append(value)
 
-    def _in_diagnostics(self) -> bool:
-        """Diagnostics come from the rollout pass for rollout methods, from the training forward otherwise."""
-        return self.args.entropy_flow_diagnostics and not self.token_method.needs_rollout_pass
-
-    def _needs_vocab_stats(self, in_loss: bool) -> bool:
-        if in_loss:
-            return (self._weights_deferred and self.token_method.needs_vocab_stats) or (
-                self._in_diagnostics() and self.args.entropy_flow_estimate == "full"
-            )
-        return self.token_method.needs_vocab_stats
-
     def _core_model(self):
         """The causal LM carrying the fused head (unwrapped from DDP/DeepSpeed and PEFT)."""
         core = self.accelerator.unwrap_model(self.model)
         return core.get_base_model() if hasattr(core, "get_base_model") else core
 
+    def _refuse_unsupported_setup(self) -> None:
+        """What the configuration alone could not tell (accelerate's launch config, the weights' dtype)."""
+        if self.flow_estimate in ("full", "param") and self.is_fsdp_enabled:
+            raise ValueError(
+                f"entropy_flow_estimate={self.flow_estimate!r} is not supported under FSDP (the LM head and the "
+                "parameters are sharded outside the forward). Use DDP, DeepSpeed ZeRO-3 for 'full', or a log-prob "
+                "estimate ('opefo', 'onaction', 'sign')."
+            )
+        if self.flow_estimate != "param" or not self._rollout_flow:
+            return
+        if self.is_deepspeed_enabled:
+            raise ValueError(
+                "entropy_flow_estimate='param' is not supported under DeepSpeed (bf16 working copies of fp32 master "
+                "weights; ZeRO-3 partitions them). Use DDP (recipes/accelerate/ddp.yaml), or 'full' / a log-prob "
+                "estimate under DeepSpeed."
+            )
+        not_fp32 = sorted({str(p.dtype) for p in self.model.parameters() if p.is_floating_point()} - {"torch.float32"})
+        if not_fp32:
+            raise ValueError(
+                f"entropy_flow_estimate='param' takes finite differences of float32 forwards, but the model has "
+                f"{not_fp32} weights. Load it in float32 (dtype='float32'; bf16 mixed precision still speeds up the "
+                "training forward), or use a log-prob estimate."
+            )
+
+    def _loss_mask(self, batch: dict) -> torch.Tensor:
+        mask = batch["completion_mask"]
+        return mask * batch["tool_mask"] if "tool_mask" in batch else mask
+
+    def _loss_normaliser(self, mask: torch.Tensor, inputs: dict) -> torch.Tensor:
+        """c with TRL's policy loss = sum_t per_token_loss_t * mask_t * c_t for the configured loss type (broadcastable
+        to (B, T)); the one place that mirrors TRL 1.16's aggregation (`GRPOTrainer._compute_loss`)."""
+        accumulation = self.current_gradient_accumulation_steps
+        batch_size = mask.size(0)
+        one = torch.ones((), device=mask.device)
+        if self.loss_type in ("grpo", "sapo"):
+            return 1.0 / (mask.sum(-1, keepdim=True).clamp(min=1.0) * batch_size * accumulation)
+        if self.loss_type == "bnpo":
+            return one / (mask.sum().clamp(min=1.0) * accumulation)
+        if self.loss_type == "dr_grpo":
+            return one / (batch_size * self.max_completion_length * accumulation)
+        if self.loss_type in ("cispo", "dapo", "vespo"):
+            normaliser = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            return one / (normaliser * accumulation / self.args.steps_per_generation)
+        if self.loss_type == "luspo":
+            return one / (batch_size * accumulation)
+        raise ValueError(f"Loss type {self.loss_type!r} is not supported by OPEFOTrainer.")
+
+    def _aggregate_like_policy_loss(self, per_token: torch.Tensor, mask: torch.Tensor, inputs: dict) -> torch.Tensor:
+        """Reduce a per-token loss term exactly as TRL reduces the policy loss for the configured loss type."""
+        return (per_token * mask * self._loss_normaliser(mask, inputs)).sum()
+
+    @torch.no_grad()
+    def _loss_factor(self, inputs: dict, logps: torch.Tensor, entropies: torch.Tensor) -> torch.Tensor:
+        """f_t: the coefficient of A_t grad log pi_t in the (rank-averaged) gradient of TRL's loss, at the rollout's
+        parameters (ratio 1). Loss and tool masks, the loss type's normalisation, the vLLM importance-sampling ratio
+        (VESPO's gamma weights instead), the off-policy and high-entropy masks, CISPO's clamp. (B, T), fp32."""
+        mask = self._loss_mask(inputs).float()
+        factor = mask * self._loss_normaliser(mask, inputs) / self.accelerator.num_processes
+        advantages = inputs.get(ADVANTAGES, inputs["advantages"])
+        advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+        old_logps = inputs.get("old_per_token_logps")
+        old_logps = logps if old_logps is None else old_logps
+        if self.off_policy_mask_threshold is not None:
+            sampling_logps = inputs.get("sampling_per_token_logps", old_logps)
+            factor = factor * self.get_off_policy_mask(
+                advantages, logps, sampling_logps, mask, self.off_policy_mask_threshold
+            )
+        if self.top_entropy_quantile < 1.0:
+            factor = factor * self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+        if self.loss_type == "vespo":
+            args = self.args
+            factor = factor * self.get_gamma_weights(
+                advantages, logps - old_logps, mask, inputs.get("importance_sampling_ratio"),
+                args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg,
+            )  # fmt: skip
+        elif self.use_vllm and self.vllm_importance_sampling_correction:
+            factor = factor * inputs["importance_sampling_ratio"]
+        if self.loss_type == "cispo":
+            factor = factor * (logps - old_logps).exp().clamp(max=self.epsilon_high)
+        return factor.float().expand_as(logps)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Hook 2: every scoring forward
+    # ----------------------------------------------------------------------------------------------------------------
+
+    def _needs_vocab_stats(self, in_loss: bool) -> bool:
+        if self.flow_estimate != "full":
+            return False
+        if in_loss:
+            return self._weights_deferred or (self.args.entropy_flow_diagnostics and not self._rollout_flow)
+        return self._rollout_flow
+
     @contextmanager
     def _capture_hidden_states(self, enabled: bool):
-        """Collect the backbone's final hidden states of every forward inside the block (no second backbone pass)."""
+        """Collect the backbone's final hidden states of every forward inside the block (no second backbone pass).
+        The hook lives only for the block."""
         if not enabled:
             yield None
             return
-        if self._hidden_hook is None:
 
-            def keep(module, args, output):
-                if self._hidden_chunks is not None:
-                    hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
-                    self._hidden_chunks.append(hidden.detach())
+        def keep(module, args, output):
+            hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+            self._hidden_chunks.append(hidden.detach())
 
-            self._hidden_hook = self._core_model().base_model.register_forward_hook(keep)
         self._hidden_chunks = chunks = []
+        handle = self._core_model().base_model.register_forward_hook(keep)
         try:
             yield chunks
         finally:
+            handle.remove()
             self._hidden_chunks = None
 
     @torch.no_grad()
     def _completion_vocab_stats(self, hidden: torch.Tensor, logits_to_keep: int):
-        """sum pi^2 and sum pi^2 log pi at the completion positions, (B, T), from hidden states and the LM head."""
+        """sum pi^2 and sum pi^2 log pi at the completion positions, (B, T), from hidden states and the LM head, in
+        the precision of TRL's fused head (its autocast dtype, or fp32 with `cast_lm_head_to_fp32`)."""
         core = self._core_model()
         text_config = core.config.get_text_config()
         head = core.get_output_embeddings()
         # Position i predicts token i + 1: the completion's T tokens are predicted from hidden[-T-1:-1].
         hidden = hidden[:, -logits_to_keep - 1 : -1]
+        device_type = hidden.device.type
+        if self.args.cast_lm_head_to_fp32:
+            compute_dtype = torch.float32
+        else:
+            with self.accelerator.autocast():
+                autocast_on = torch.is_autocast_enabled(device_type)
+                compute_dtype = torch.get_autocast_dtype(device_type) if autocast_on else hidden.dtype
         with maybe_gather_lm_head_ctx(head.weight, head.bias):
             stats = vocab_stats(
                 hidden,
@@ -171,19 +297,11 @@ class OPEFOTrainer(GRPOTrainer):
                 temperature=self.temperature,
                 logit_scale=_logit_scale(text_config),
                 softcap=getattr(text_config, "final_logit_softcapping", None),
+                compute_dtype=compute_dtype,
                 token_chunk_size=self.args.vocab_stats_token_chunk_size,
                 vocab_chunk_size=self.args.vocab_stats_vocab_chunk_size,
             )
         return stats.sum_sq_probs, stats.sum_sq_probs_log_probs
-
-    @staticmethod
-    def _loss_mask(batch: dict) -> torch.Tensor:
-        mask = batch["completion_mask"]
-        return mask * batch["tool_mask"] if "tool_mask" in batch else mask
-
-    # ----------------------------------------------------------------------------------------------------------------
-    # Hook 2: every scoring forward
-    # ----------------------------------------------------------------------------------------------------------------
 
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
@@ -226,7 +344,7 @@ class OPEFOTrainer(GRPOTrainer):
         return self.args.gradient_accumulation_steps % generate_every != 0 or vllm_correction
 
     def _generate_and_score_completions(self, inputs):
-        if not (self.model.training and self.token_method.needs_rollout_pass):
+        if not (self.model.training and self._rollout_flow):
             return super()._generate_and_score_completions(inputs)
         # Capture only TRL's old-log-prob pass: otherwise the first scoring call may be the reference pass (PEFT).
         self._rollout_capture = {} if self._trl_scores_rollout() else None
@@ -236,68 +354,215 @@ class OPEFOTrainer(GRPOTrainer):
         finally:
             self._rollout_capture = None
         old_logps = output.get("old_per_token_logps")
-        if "logps" in capture and (old_logps is None or not torch.equal(capture["logps"], old_logps)):
-            raise RuntimeError(
-                "OPEFOTrainer captured a scoring pass that is not TRL's old-log-prob pass; this TRL version's "
-                "_generate_and_score_completions differs from the supported one."
-            )
-        self._weights_deferred = False
-        if "logps" not in capture:
-            # (With num_iterations > 1 the buffered batch is reused: its weights must be in it, so no deferral.)
-            if self.args.steps_per_generation == 1 and self.num_iterations == 1:
+        if "logps" in capture:
+            if old_logps is None or not torch.equal(capture["logps"], old_logps):
+                raise RuntimeError(
+                    "OPEFOTrainer captured a scoring pass that is not TRL's old-log-prob pass; this TRL version's "
+                    "_generate_and_score_completions differs from the supported one."
+                )
+            stats = (capture["logps"], capture["entropies"], *capture["vocab"])
+            output.update({key: value for key, value in zip(ROLLOUT_STATS, stats, strict=True) if value is not None})
+        self._rollout_pending = True
+        return output
+
+    def _prepare_inputs(self, generation_batch):
+        inputs = super()._prepare_inputs(generation_batch)
+        if self._rollout_pending:
+            # TRL has just shuffled the new rollout batch and split it into the micro-batches it will train on.
+            self._rollout_pending = False
+            self._prepare_rollout(self._buffered_inputs)
+        return inputs
+
+    def _prepare_rollout(self, batches: list[dict]) -> None:
+        """Factor, flow and (for rollout methods) weights of every micro-batch of a new rollout batch, in place."""
+        multimodal = sorted(k for k in MULTIMODAL_KEYS if batches[0].get(k) is not None)
+        captured = ROLLOUT_STATS[0] in batches[0]
+        if not captured:
+            if len(batches) == 1 and self.num_iterations == 1 and self.flow_estimate in TABULAR_ESTIMATES:
                 # The rollout batch is one micro-batch scored by the training forward with the same parameters:
                 # compute the weights there and save a forward pass.
                 self._weights_deferred = True
-                return output
-            capture = self._score_rollout(output)
-        batch = TokenBatch(
-            logps=capture["logps"],
-            entropies=capture["entropies"],
-            advantages=output["advantages"].unsqueeze(1).expand_as(capture["logps"]),
-            mask=self._loss_mask(output),
-            old_logps=output.get("old_per_token_logps"),
-            sum_sq_probs=capture["vocab"][0],
-            sum_sq_probs_log_probs=capture["vocab"][1],
-        )
-        weights = self.token_method.rollout_weights(batch, self._reduce_sum)
-        self._log_metrics(self.token_method.pop_metrics())
-        output["advantages"] = batch.advantages * weights
-        return output
-
-    def _score_rollout(self, output: dict) -> dict:
-        """One no-grad forward of the current policy over the local rollout batch (text-only)."""
-        multimodal = sorted(
-            k for k in ("pixel_values", "image_grid_thw", "num_images", "token_type_ids") if k in output
-        )
-        if multimodal:
-            raise NotImplementedError(
-                f"OPEFOTrainer's own scoring pass is text-only, but this rollout has {multimodal}. Use one micro-batch "
-                "per rollout (gradient_accumulation_steps=1) or vLLM with importance-sampling correction, whose "
-                "scoring pass TRL runs with the images and OPEFO reuses."
+                return
+            if multimodal:
+                raise NotImplementedError(
+                    f"OPEFOTrainer's own scoring passes are text-only, but this rollout has {multimodal}. Use one "
+                    "micro-batch per rollout (gradient_accumulation_steps=1) with a log-prob estimate, or vLLM with "
+                    "importance-sampling correction, whose scoring pass TRL runs with the images and OPEFO reuses."
+                )
+        for batch in batches:
+            batch[ADVANTAGES] = _per_token(batch["advantages"], batch["completion_mask"]).float()
+        if self.flow_estimate == "param":
+            alignments = self._entropy_alignment(batches)
+        else:
+            alignments = [None] * len(batches)
+            if not captured:
+                for batch in batches:
+                    self._score_micro_batch(batch)
+        token_batches = []
+        for batch, alignment in zip(batches, alignments, strict=True):
+            logps, entropies = batch[ROLLOUT_STATS[0]], batch[ROLLOUT_STATS[1]]
+            if FACTOR not in batch:
+                batch[FACTOR] = self._loss_factor(batch, logps, entropies)
+            batch[UNIT_FLOW] = flow_per_unit_advantage(
+                logps,
+                entropies,
+                self.flow_estimate,
+                batch.get(ROLLOUT_STATS[2]),
+                batch.get(ROLLOUT_STATS[3]),
+                alignment,
             )
-        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+            token_batches.append(
+                TokenBatch(
+                    logps=logps,
+                    entropies=entropies,
+                    advantages=batch[ADVANTAGES],
+                    factor=batch[FACTOR],
+                    flow=batch[ADVANTAGES] * batch[UNIT_FLOW],
+                    old_logps=batch.get("old_per_token_logps"),
+                )
+            )
+        whole = TokenBatch(
+            **{
+                f.name: None
+                if getattr(token_batches[0], f.name) is None
+                else torch.cat([getattr(b, f.name) for b in token_batches])
+                for f in dataclasses.fields(TokenBatch)
+            }
+        )
+        weights = self.token_method.rollout_weights(whole, self._reduce_sum)
+        if weights is not None:
+            for batch, part in zip(batches, weights.split([len(b.logps) for b in token_batches]), strict=True):
+                batch["advantages"] = batch[ADVANTAGES] * part
+        for batch in batches:
+            for key in ROLLOUT_STATS:
+                batch.pop(key, None)
+
+    @torch.no_grad()
+    def _score_micro_batch(self, batch: dict) -> None:
+        """One no-grad forward of the current policy over a micro-batch (text-only), through TRL's scoring path."""
+        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
         self._rollout_capture = {}
         try:
-            with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
                 self._get_per_token_logps_and_entropies(
                     self.model,
                     input_ids,
                     attention_mask,
-                    output["completion_ids"].size(1),
+                    batch["completion_ids"].size(1),
                     batch_size=self.args.per_device_train_batch_size,
                     compute_entropy=True,
                 )
-            return self._rollout_capture
+            capture = self._rollout_capture
         finally:
             self._rollout_capture = None
+        stats = (capture["logps"], capture["entropies"], *capture["vocab"])
+        batch.update({key: value for key, value in zip(ROLLOUT_STATS, stats, strict=True) if value is not None})
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # The `param` estimate: u_t = <D grad Hbar, grad log pi_t> by a checked central finite difference
+    # ----------------------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _score_in_fp32(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """log pi_t and H_t of a micro-batch through TRL's fused LM head, with autocast off (float32 throughout)."""
+        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        length = batch["completion_ids"].size(1)
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+        labels[:, :-length] = -100  # only the completion is scored, as in TRL
+        with torch.autocast(input_ids.device.type, enabled=False):
+            output = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
+        return output.log_probs[:, -length:], output.entropy[:, -length:]
+
+    def _entropy_alignment(self, batches: list[dict]) -> list[torch.Tensor]:
+        """u_t of every micro-batch for the `param` estimate; fills the micro-batches' log pi_t, H_t (if TRL did not)
+        and loss factor.
+
+        One forward and one or two backwards for grad Hbar (Hbar: mean token entropy of the rollout batch's completion
+        positions over all ranks) and, for the Adam preconditioner, the policy loss's gradient (which enters Adam's
+        second moments this step); then two no-grad forwards at theta +/- e D grad Hbar. All in float32 on the
+        unwrapped model (no DDP hooks), gradient checkpointing off; the parameters are restored exactly.
+        """
+        model = self.accelerator.unwrap_model(self.model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        masks = [self._loss_mask(batch).float() for batch in batches]
+        tokens = self._reduce_sum(sum(mask.sum() for mask in masks).double()).clamp(min=1).float()
+        adam = self.args.entropy_flow_preconditioner == "adam"
+        entropy_grad = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+        loss_grad = [torch.zeros_like(p, dtype=torch.float32) for p in params] if adam else None
+        with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs), torch.enable_grad():
+            for batch, mask in zip(batches, masks, strict=True):
+                logps, entropies = self._score_in_fp32(model, batch)
+                batch.setdefault(ROLLOUT_STATS[0], logps.detach())
+                batch.setdefault(ROLLOUT_STATS[1], entropies.detach())
+                batch[FACTOR] = self._loss_factor(batch, batch[ROLLOUT_STATS[0]], batch[ROLLOUT_STATS[1]])
+                objectives = [((entropies * mask).sum() / tokens, entropy_grad)]
+                if adam:  # the loss TRL will apply, unweighted: its gradient is the g_t of Adam's v_t
+                    objectives.append((-(batch[FACTOR] * batch[ADVANTAGES] * logps).sum(), loss_grad))
+                for i, (objective, total) in enumerate(objectives):
+                    retain = i + 1 < len(objectives)
+                    parts = torch.autograd.grad(objective, params, retain_graph=retain, allow_unused=True)
+                    for running, part in zip(total, parts, strict=True):
+                        if part is not None:
+                            running.add_(part)
+        entropy_grad = [self._reduce_sum(g) for g in entropy_grad]
+        self._param_prediction = {"gradient_scale": 1.0, "momentum_term": 0.0}
+        direction = entropy_grad
+        if adam:
+            loss_grad = [self._reduce_sum(g) for g in loss_grad]
+            if self.args.max_grad_norm:
+                clip = min(1.0, self.args.max_grad_norm / (global_norm(loss_grad) + 1e-6))
+                loss_grad = [g * clip for g in loss_grad]
+            step = next_adam_step(self.optimizer, params, loss_grad)
+            del loss_grad
+            direction = [g * d for g, d in zip(entropy_grad, step.preconditioner, strict=True)]
+            momentum = 0.0 if step.momentum is None else inner(direction, step.momentum)
+            self._param_prediction = {"gradient_scale": step.gradient_scale, "momentum_term": momentum}
+        exact = inner(entropy_grad, direction)  # d Hbar / d e along the direction, from the gradient
+        if exact == 0.0:  # no entropy gradient: no token moves Hbar to first order
+            return [torch.zeros_like(mask) for mask in masks]
+
+        def evaluate():
+            return [self._score_in_fp32(model, batch) for batch in batches]
+
+        best = None
+        for relative in FD_RELATIVE_STEPS:  # the first step size whose check passes; else the most accurate one
+            step_size = finite_difference_step(params, direction, relative)
+            with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+                plus, minus = evaluate_on_both_sides(params, direction, step_size, evaluate)
+            entropy_change = sum(
+                ((hp - hm) * mask).sum() for (_, hp), (_, hm), mask in zip(plus, minus, masks, strict=True)
+            )
+            measured = float(self._reduce_sum(entropy_change.double()) / tokens / (2 * step_size))
+            error = relative_error(measured, exact)
+            if best is None or error < best[0]:
+                best = (error, step_size, plus, minus)
+            if error <= PARAM_CHECK_TOLERANCE:
+                break
+        error, step_size, plus, minus = best
+        self._log_metrics({"entropy_flow/param_check_error": error})
+        if error > PARAM_CHECK_TOLERANCE and self.accelerator.is_main_process:
+            warnings.warn(
+                f"entropy_flow_estimate='param': the finite-difference derivative of the mean entropy along the "
+                f"entropy gradient differs from the exact one by {error:.1%} at every step size tried "
+                f"{FD_RELATIVE_STEPS}; the per-token flow is imprecise on this batch (float32 resolution or strong "
+                "curvature).",
+                stacklevel=2,
+            )
+        return [((lp - lm) / (2 * step_size)).float() for (lp, _), (lm, _) in zip(plus, minus, strict=True)]
 
     # ----------------------------------------------------------------------------------------------------------------
     # Hook 3: every micro-batch
     # ----------------------------------------------------------------------------------------------------------------
 
+    def _audit_due(self) -> bool:
+        every = self.args.entropy_flow_audit_steps
+        return every > 0 and (self.state.global_step + 1) % every == 0
+
     def _compute_loss(self, model, inputs):
         training = self.model.training
+        original = inputs
         # A copy: the method may replace `advantages`, and TRL reuses buffered micro-batches when num_iterations > 1.
         inputs = dict(inputs)
         self._loss_inputs = inputs if training else None
@@ -306,7 +571,9 @@ class OPEFOTrainer(GRPOTrainer):
             loss = super()._compute_loss(model, inputs)
         finally:
             self._loss_inputs = None
-        if self._weights_deferred and training:
+        if not training:
+            return loss
+        if self._weights_deferred:
             raise RuntimeError(
                 "OPEFOTrainer: the rollout weights were deferred to the training forward but never applied; the loss "
                 "did not score completions through _get_per_token_logps_and_entropies (unsupported TRL code path)."
@@ -314,66 +581,123 @@ class OPEFOTrainer(GRPOTrainer):
         if self._extra_loss is not None:
             loss = loss + self._aggregate_like_policy_loss(self._extra_loss, self._loss_mask(inputs), inputs)
             self._extra_loss = None
-        if training and self.accelerator.sync_gradients:
+        if self._audit_due():
+            self._step_batches.append(original)
+        if self.accelerator.sync_gradients:
             self._end_optimizer_step()
         return loss
 
     def _apply_token_method(self, logps: torch.Tensor, entropies: torch.Tensor, vocab) -> None:
         inputs = self._loss_inputs
-        advantages = inputs["advantages"]
-        if advantages.dim() == 1:
-            advantages = advantages.unsqueeze(1).expand_as(logps)
-        batch = TokenBatch(
-            logps=logps.detach(),
-            entropies=entropies.detach(),
-            advantages=advantages,
-            mask=self._loss_mask(inputs),
-            old_logps=inputs.get("old_per_token_logps"),
-            sum_sq_probs=vocab[0],
-            sum_sq_probs_log_probs=vocab[1],
-        )
+        logps_detached, entropies = logps.detach(), entropies.detach()
+        original = inputs.get(ADVANTAGES)
+        if original is None:
+            original = _per_token(inputs["advantages"], logps_detached).float()
+        if UNIT_FLOW in inputs:  # computed for the whole rollout batch
+            unit, factor = inputs[UNIT_FLOW], inputs[FACTOR]
+        else:
+            factor = self._loss_factor(inputs, logps_detached, entropies)
+            unit = None
+            if self._weights_deferred or (
+                self.args.entropy_flow_diagnostics and self.flow_estimate in TABULAR_ESTIMATES
+            ):
+                unit = flow_per_unit_advantage(logps_detached, entropies, self.flow_estimate, *vocab)
+        advantages = _per_token(inputs["advantages"], logps_detached)
+        old_logps = inputs.get("old_per_token_logps")
         if self._weights_deferred:
+            batch = TokenBatch(logps_detached, entropies, original, factor, original * unit, old_logps)
             advantages = advantages * self.token_method.rollout_weights(batch, self._reduce_sum)
             self._weights_deferred = False
-        if self._in_diagnostics():
-            step = flow_stats(batch.flow(self.args.entropy_flow_estimate), batch.mask)
-            self._diagnostics = step if self._diagnostics is None else self._diagnostics + step
+        batch = TokenBatch(
+            logps_detached, entropies, advantages, factor, None if unit is None else advantages * unit, old_logps
+        )
         terms = self.token_method.micro_batch_terms(batch, logps, self._reduce_sum)
         if terms.weights is not None:
             advantages = advantages * terms.weights
         inputs["advantages"] = advantages
         self._extra_loss = terms.extra_loss
-        self._log_metrics(self.token_method.pop_metrics())
+        audit = self._audit_due()
+        if unit is not None and (self.args.entropy_flow_diagnostics or audit):
+            self._accumulate_step_flow(flow_stats(original * unit, factor), (factor * advantages * unit).sum())
+        if audit:
+            mask = self._loss_mask(inputs).float()
+            sums = torch.stack([(entropies * mask).sum(), mask.sum()]).double()
+            self._step_entropy = sums if self._step_entropy is None else self._step_entropy + sums
 
-    def _aggregate_like_policy_loss(self, per_token: torch.Tensor, mask: torch.Tensor, inputs: dict) -> torch.Tensor:
-        """Reduce a per-token loss term exactly as TRL reduces the policy loss for the configured loss type."""
-        accumulation = self.current_gradient_accumulation_steps
-        masked = per_token * mask
-        if self.loss_type in ("grpo", "sapo"):
-            return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation
-        if self.loss_type == "bnpo":
-            return masked.sum() / mask.sum().clamp(min=1.0) / accumulation
-        if self.loss_type == "dr_grpo":
-            return masked.sum() / (per_token.size(0) * self.max_completion_length) / accumulation
-        if self.loss_type in ("cispo", "dapo", "vespo"):
-            normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
-            return masked.sum() / (normalizer * accumulation / self.args.steps_per_generation)
-        if self.loss_type == "luspo":
-            return masked.sum(-1).mean() / accumulation
-        raise ValueError(f"Loss type {self.loss_type!r} is not supported together with method={self.args.method!r}.")
+    def _accumulate_step_flow(self, stats: FlowStats, applied_net: torch.Tensor) -> None:
+        self._step_flow = stats if self._step_flow is None else self._step_flow + stats
+        applied_net = applied_net.double()
+        self._step_applied_net = applied_net if self._step_applied_net is None else self._step_applied_net + applied_net
 
     def _end_optimizer_step(self) -> None:
         """After the last micro-batch of an optimizer step: controllers, then step-level metrics (all ranks)."""
         self.token_method.on_optimizer_step(self._reduce_sum)
         self._log_metrics(self.token_method.pop_metrics())
-        if self._diagnostics is not None:
-            stats = FlowStats.from_tensor(self._reduce_sum(self._diagnostics.to_tensor()))
-            self._log_metrics(stats.metrics())
-            self._diagnostics = None
+        if self._step_flow is not None:
+            packed = self._reduce_sum(torch.cat([self._step_flow.to_tensor(), self._step_applied_net.view(1)]))
+            if self.args.entropy_flow_diagnostics:
+                self._log_metrics(FlowStats.from_tensor(packed[:-1]).metrics())
+            self._applied_net = float(packed[-1])
+            self._step_flow = self._step_applied_net = None
+        message = self.token_method.regime_warning()
+        if message and self.accelerator.is_main_process:
+            warnings.warn(message, stacklevel=2)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Hook 4: after the optimizer step, measure what it did
+    # ----------------------------------------------------------------------------------------------------------------
+
+    def _clip_grad_norm(self, model):
+        norm = super()._clip_grad_norm(model)
+        self._pre_clip_grad_norm = float(norm)
+        return norm
+
+    @torch.no_grad()
+    def _audit_optimizer_step(self) -> None:
+        """Log the measured change of the step's mean token entropy (re-scored without gradients) and, for `param`,
+        the first-order prediction lr * clip * scale * sum_t f_t w_t d_t."""
+        if not self._audit_due() or self._step_entropy is None:
+            return
+        after = torch.zeros(2, dtype=torch.float64, device=self._step_entropy.device)
+        with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            for batch in self._step_batches:
+                input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+                attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+                _, entropies, _ = self._get_per_token_logps_and_entropies(
+                    self.model, input_ids, attention_mask, batch["completion_ids"].size(1), compute_entropy=True
+                )
+                mask = self._loss_mask(batch).float()
+                after += torch.stack([(entropies * mask).sum(), mask.sum()]).double()
+        before, after = self._reduce_sum(self._step_entropy), self._reduce_sum(after)
+        self._step_entropy, self._step_batches = None, []
+        metrics = {
+            "entropy_flow/measured_delta": float(after[0] / after[1].clamp(min=1) - before[0] / before[1].clamp(min=1))
+        }
+        if self.flow_estimate == "param" and self._param_prediction is not None and self._applied_net is not None:
+            clip = 1.0
+            if self.args.max_grad_norm and self._pre_clip_grad_norm is not None:
+                clip = min(1.0, self.args.max_grad_norm / (self._pre_clip_grad_norm + 1e-6))
+            learning_rate = self.optimizer.param_groups[0]["lr"]
+            metrics["entropy_flow/predicted_delta"] = predicted_entropy_change(
+                learning_rate, clip, self._applied_net, **self._param_prediction
+            )
+        self._log_metrics(metrics)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Checkpoints: method state (e.g. PAR's coefficient) travels with the optimizer state
     # ----------------------------------------------------------------------------------------------------------------
+
+    def create_optimizer(self, *args, **kwargs):
+        optimizer = super().create_optimizer(*args, **kwargs)
+        if self.flow_estimate == "param" and self.args.entropy_flow_preconditioner == "adam":
+            inner = getattr(optimizer, "optimizer", optimizer)
+            if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+                raise ValueError(
+                    f"entropy_flow_preconditioner='adam' reads Adam's second moments, but the optimizer is "
+                    f"{type(inner).__name__}. Use optim='adamw_torch' (or 'adamw_torch_fused'), or set "
+                    "entropy_flow_preconditioner='none'."
+                )
+        return optimizer
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)

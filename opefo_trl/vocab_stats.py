@@ -1,6 +1,6 @@
 """Full-vocabulary statistics of a softmax policy from hidden states and the LM head, in one chunked pass.
 
-Pure torch, no TRL import. The ``full`` entropy-flow estimate (SPEC.md section 1) needs, per position,
+Pure torch, no TRL import. The ``full`` entropy-flow estimate (docs/algorithm.md section 1) needs, per position,
 H, sum_k pi_k^2 and sum_k pi_k^2 log pi_k. Materialising [tokens, vocab] logits for a 151,936-token vocabulary
 is what blew up memory in early entropy logging, so the logits are produced in [token_chunk, vocab_chunk]
 tiles and folded into running sums with an online max, never more than one tile at a time:
@@ -34,11 +34,9 @@ import torch
 class VocabStats(NamedTuple):
     """Per-position statistics, each of shape hidden.shape[:-1], fp32."""
 
-    log_z: torch.Tensor
     entropy: torch.Tensor
     sum_sq_probs: torch.Tensor
     sum_sq_probs_log_probs: torch.Tensor
-    target_logps: torch.Tensor | None
 
 
 def _transform_(z: torch.Tensor, logit_scale: float, softcap: float | None, temperature: float) -> torch.Tensor:
@@ -57,21 +55,22 @@ def vocab_stats(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    targets: torch.Tensor | None = None,
     temperature: float = 1.0,
     logit_scale: float = 1.0,
     softcap: float | None = None,
+    compute_dtype: torch.dtype | None = None,
     token_chunk_size: int = 512,
     vocab_chunk_size: int = 16384,
 ) -> VocabStats:
-    """Entropy, sum pi^2, sum pi^2 log pi (and optionally log pi of ``targets``) of softmax(z).
+    """Entropy, sum pi^2 and sum pi^2 log pi of softmax(z).
 
     Args:
-        hidden: (..., H) final hidden states (any float dtype; the projection runs in that dtype, the sums in fp32).
+        hidden: (..., H) final hidden states.
         weight: (V, H) LM-head weight; under DeepSpeed ZeRO-3 the caller gathers it first.
         bias: optional (V,) LM-head bias.
-        targets: optional (...) token ids whose log-probabilities are returned as ``target_logps``.
         temperature, logit_scale, softcap: the logit transform of the sampling policy.
+        compute_dtype: dtype of the projection h W^T (+ b), as in TRL's fused head (the autocast dtype, or fp32 with
+            ``cast_lm_head_to_fp32``); default ``hidden.dtype``. The sums are always fp32.
         token_chunk_size, vocab_chunk_size: tile shape; peak extra memory is a few tiles of fp32.
     """
     if token_chunk_size < 1 or vocab_chunk_size < 1:
@@ -82,29 +81,22 @@ def vocab_stats(
             "partitioned head has to be gathered first (trl.trainer.utils.maybe_gather_lm_head_ctx)."
         )
     lead_shape = hidden.shape[:-1]
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    flat_targets = None if targets is None else targets.reshape(-1).to(flat.device)
+    compute_dtype = hidden.dtype if compute_dtype is None else compute_dtype
+    flat = hidden.reshape(-1, hidden.shape[-1]).to(compute_dtype)
     num_tokens, vocab = flat.shape[0], weight.shape[0]
     device = flat.device
-    out = {name: torch.empty(num_tokens, device=device) for name in ("log_z", "entropy", "s2", "s2l", "target")}
+    out = {name: torch.empty(num_tokens, device=device) for name in ("entropy", "s2", "s2l")}
 
     for t0 in range(0, num_tokens, token_chunk_size):
         h = flat[t0 : t0 + token_chunk_size]
         n = h.shape[0]
         m = torch.full((n,), float("-inf"), device=device)
         s, sz, s2, s2z = (torch.zeros(n, device=device) for _ in range(4))
-        target_z = torch.zeros(n, device=device)
         for v0 in range(0, vocab, vocab_chunk_size):
-            w = weight[v0 : v0 + vocab_chunk_size]
-            z = (h @ w.to(h.dtype).T).float()
+            z = h @ weight[v0 : v0 + vocab_chunk_size].to(compute_dtype).T
             if bias is not None:
-                z += bias[v0 : v0 + vocab_chunk_size].float()
-            _transform_(z, logit_scale, softcap, temperature)
-            if flat_targets is not None:
-                local = flat_targets[t0 : t0 + n] - v0
-                inside = (local >= 0) & (local < z.shape[1])
-                picked = z.gather(1, local.clamp(0, z.shape[1] - 1).unsqueeze(1)).squeeze(1)
-                target_z = torch.where(inside, picked, target_z)
+                z += bias[v0 : v0 + vocab_chunk_size].to(compute_dtype)
+            z = _transform_(z.float(), logit_scale, softcap, temperature)
             new_m = torch.maximum(m, z.amax(1))
             shift = torch.where(torch.isfinite(m), m - new_m, torch.zeros_like(m))  # 0 on the first tile
             r = shift.exp()
@@ -121,19 +113,13 @@ def vocab_stats(
         log_s = s.log()
         inv_s2 = s.reciprocal().square()
         sl = slice(t0, t0 + n)
-        out["log_z"][sl] = m + log_s
         out["entropy"][sl] = log_s - sz / s
         out["s2"][sl] = s2 * inv_s2
         out["s2l"][sl] = (s2z - s2 * log_s) * inv_s2
-        out["target"][sl] = target_z - (m + log_s)
 
     def shaped(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(lead_shape)
 
     return VocabStats(
-        log_z=shaped(out["log_z"]),
-        entropy=shaped(out["entropy"]),
-        sum_sq_probs=shaped(out["s2"]),
-        sum_sq_probs_log_probs=shaped(out["s2l"]),
-        target_logps=None if targets is None else shaped(out["target"]),
+        entropy=shaped(out["entropy"]), sum_sq_probs=shaped(out["s2"]), sum_sq_probs_log_probs=shaped(out["s2l"])
     )

@@ -27,3 +27,13 @@ def tiny_dataset():
         a, b = i + 2, 3 * i + 1
         rows.append({"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "solution": str(a + b)})
     return Dataset.from_list(rows)
+
+
+def length_reward(completions, **kwargs):
+    """Deterministic and varied within a group, so advantages are non-zero (a reward for training tests)."""
+    return [float(len(c[0]["content"]) % 3) for c in completions]
+
+
+@pytest.fixture(name="length_reward")
+def length_reward_fixture():
+    return length_reward

@@ -1,20 +1,19 @@
 """Run by tests/test_distributed.py under `torchrun --nproc_per_node 2`: trains OPEFO two steps and saves, per
-rank, each rollout batch's per-token statistics and the lambda* the rank used."""
+rank, each rollout batch's per-token statistics, its micro-batches and the lambda* the rank used."""
 
 import os
 import sys
 
 import torch
+from conftest import length_reward
 from datasets import Dataset
 
 from opefo_trl import OPEFOConfig, OPEFOTrainer
 
-
-def length_reward(completions, **kwargs):
-    return [float(len(c[0]["content"]) % 3) for c in completions]
+MICRO_BATCH_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "num_items_in_batch")
 
 
-def main(model_path: str, out_dir: str, accumulation: str) -> None:
+def main(model_path: str, out_dir: str, accumulation: str, estimate: str) -> None:
     rows = [{"prompt": [{"role": "user", "content": f"What is {i} + {2 * i}?"}]} for i in range(16)]
     args = OPEFOConfig(
         output_dir=os.path.join(out_dir, "run"),
@@ -30,28 +29,37 @@ def main(model_path: str, out_dir: str, accumulation: str) -> None:
         save_strategy="no",
         seed=0,
         disable_tqdm=True,
+        entropy_flow_estimate=estimate,
     )
     trainer = OPEFOTrainer(
         model=model_path, reward_funcs=length_reward, args=args, train_dataset=Dataset.from_list(rows)
     )
-    records = []
-    rollout_weights = trainer.token_method.rollout_weights
+    records, micro_batches = [], []
+    prepare_rollout, rollout_weights = trainer._prepare_rollout, trainer.token_method.rollout_weights
 
-    def recording(batch, reduce_sum):
+    def record_micro_batches(batches):
+        keep = (*MICRO_BATCH_KEYS, "advantages")
+        micro_batches.append([{k: b[k].clone() for k in keep} for b in batches])
+        prepare_rollout(batches)
+        for saved, batch in zip(micro_batches[-1], batches, strict=True):
+            if "opefo_unit_flow" in batch:  # computed for the whole rollout (not deferred to the training forward)
+                saved["unit_flow"] = batch["opefo_unit_flow"]
+
+    def record_weights(batch, reduce_sum):
         weights = rollout_weights(batch, reduce_sum)
         records.append(
             dict(
+                micro_batches=micro_batches[-1],
+                flow=batch.flow,
+                factor=batch.factor,
                 logps=batch.logps,
-                entropies=batch.entropies,
-                advantages=batch.advantages,
-                mask=batch.mask,
-                weights=weights,
-                **trainer.token_method.metrics,
+                **trainer.token_method._rollout_metrics,
             )
         )
         return weights
 
-    trainer.token_method.rollout_weights = recording
+    trainer._prepare_rollout = record_micro_batches
+    trainer.token_method.rollout_weights = record_weights
     trainer.train()
     rank = trainer.accelerator.process_index
     assert trainer.accelerator.num_processes == 2, "expected two processes"
@@ -59,4 +67,4 @@ def main(model_path: str, out_dir: str, accumulation: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

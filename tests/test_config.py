@@ -22,7 +22,6 @@ def config(**overrides):
             dict(gradient_accumulation_steps=2, steps_per_generation=4),
             r"steps_per_generation=4 != gradient_accumulation_steps=2.*allow_off_policy=True",
         ),
-        (dict(use_liger_kernel=True), "use_liger_kernel=True is not supported"),
         (dict(method="par", par_coef=2.0), r"par_coef must lie in \[0, 1\]"),
         (dict(method="clip_cov", clip_cov_ratio=0.0), "clip_cov_ratio"),
         (dict(method="clip_cov", clip_cov_lb=5.0, clip_cov_ub=1.0), "clip_cov_lb must be < clip_cov_ub"),
@@ -31,8 +30,16 @@ def config(**overrides):
         (dict(loss_type="dapoo"), r"Unknown loss_type 'dapoo'; choose one of"),
         (dict(vllm_mode="colocat"), r"Unknown vllm_mode 'colocat'"),
         (dict(scale_rewards="grup"), r"Unknown scale_rewards 'grup'"),
-        (dict(method="grpo", opefo_sides="up"), "Unknown opefo_sides"),  # checked whichever method is selected
-        (dict(method="grpo", clip_cov_ratio=0.0), "clip_cov_ratio"),
+        # A setting of a method that is not selected would be silently ignored: refused, naming the method.
+        (dict(method="grpo", opefo_sides="up"), r"opefo_sides='up' is a setting of method='opefo'.*no effect"),
+        (dict(method="opefo", clip_cov_ratio=0.1), r"clip_cov_ratio=0.1 is a setting of method='clip_cov'"),
+        (dict(entropy_flow_preconditioner="sgd"), "Unknown entropy_flow_preconditioner 'sgd'"),
+        (dict(entropy_flow_audit_steps=-1), "entropy_flow_audit_steps must be >= 0"),
+        (dict(opefo_lambda_warn=0.0), "opefo_lambda_warn must be > 0"),
+        (dict(entropy_flow_estimate="full", torch_compile=True), "forward hook, which a compiled model does not run"),
+        (dict(entropy_flow_estimate="full", fsdp="full_shard"), "not supported under FSDP"),
+        (dict(entropy_flow_estimate="param", fsdp="full_shard"), "not supported under FSDP"),
+        (dict(entropy_flow_estimate="param", deepspeed={"zero_optimization": {"stage": 2}}), "DeepSpeed"),
     ],
 )
 def test_bad_settings_fail_at_configuration_time(overrides, match):
@@ -52,15 +59,21 @@ def test_kl_cov_warns_that_it_is_inert_on_policy():
     from opefo_trl.methods import KLCov
 
     with pytest.warns(UserWarning, match="inert"):
-        KLCov.from_args(config(method="kl_cov"))
+        KLCov.from_config(config(method="kl_cov"))
     with pytest.warns(UserWarning, match="no PPO clipping"):
-        KLCov.from_args(config(method="kl_cov", gradient_accumulation_steps=1, steps_per_generation=8))
+        KLCov.from_config(config(method="kl_cov", gradient_accumulation_steps=1, steps_per_generation=8))
     eight_updates = config(
         method="kl_cov", gradient_accumulation_steps=1, steps_per_generation=8, epsilon=1e9, epsilon_high=1e9
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        KLCov.from_args(eight_updates)
+        KLCov.from_config(eight_updates)
+
+
+def test_liger_kernel_is_accepted_since_trl_keeps_the_per_token_path():
+    # TRL 1.16 applies only Liger's layer kernels with GRPO (the fused linear cross-entropy stays off), so the
+    # per-token log-probs the methods act on are still computed by TRL's fused head.
+    assert config(use_liger_kernel=True).use_liger_kernel
 
 
 def test_every_field_has_help_text():
@@ -75,5 +88,11 @@ def test_every_field_has_help_text():
         "opefo_lambda",
         "opefo_sides",
         "allow_off_policy",
+        "entropy_flow_preconditioner",
+        "entropy_flow_audit_steps",
+        "opefo_lambda_warn",
+        "par_coef",
+        "clip_cov_ratio",
+        "kl_cov_ratio",
     }
     assert all(f.metadata.get("help") for f in new)

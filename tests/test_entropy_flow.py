@@ -7,8 +7,8 @@ from opefo_trl.entropy_flow import (
     FLOW_ESTIMATES,
     FlowStats,
     entropy_flow,
+    flow_per_unit_advantage,
     flow_stats,
-    lambda_star,
     token_weights,
 )
 
@@ -148,17 +148,54 @@ def test_degenerate_batches_give_finite_lambda_and_weights(case):
         assert lam.item() == 1.0
 
 
-def test_unknown_estimate_and_missing_vocab_stats_are_clear_errors():
+def test_unknown_estimate_and_missing_statistics_are_clear_errors():
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="Unknown entropy-flow estimate 'exact'"):
         entropy_flow(x, x, torch.ones(1), "exact")
     with pytest.raises(ValueError, match="full.*sum_sq_probs"):
         entropy_flow(x, x, torch.ones(1), "full")
-    assert set(FLOW_ESTIMATES) == {"opefo", "onaction", "sign", "full"}
+    with pytest.raises(ValueError, match="param.*entropy_alignment"):
+        entropy_flow(x, x, torch.ones(1), "param")
+    assert set(FLOW_ESTIMATES) == {"opefo", "onaction", "sign", "full", "param"}
     with pytest.raises(ValueError, match=r"shape \(B, T\)"):
         entropy_flow(torch.zeros(3), torch.zeros(3), torch.ones(3))
 
 
-def test_lambda_star_is_zero_without_flow():
-    assert lambda_star(torch.tensor(0.0), torch.tensor(0.0)).item() == 0.0
-    assert lambda_star(torch.tensor(1.0), torch.tensor(3.0)).item() == pytest.approx(0.5)
+def test_param_flow_is_the_advantage_times_the_alignment():
+    alignment = torch.tensor([[0.5, -2.0, 0.0]])
+    zeros = torch.zeros(1, 3)
+    flow = entropy_flow(zeros, zeros, torch.tensor([-3.0]), "param", entropy_alignment=alignment)
+    assert flow.tolist() == [[-1.5, 6.0, 0.0]]
+
+
+@pytest.mark.parametrize("estimate", ["opefo", "onaction", "sign"])
+def test_flow_is_linear_in_the_advantage(estimate):
+    gen = torch.Generator().manual_seed(7)
+    logps, entropies = -torch.rand(3, 5, generator=gen) * 3, torch.rand(3, 5, generator=gen)
+    advantages = torch.randn(3, 5, generator=gen)
+    unit = flow_per_unit_advantage(logps, entropies, estimate)
+    torch.testing.assert_close(entropy_flow(logps, entropies, advantages, estimate), advantages * unit)
+
+
+def test_flow_sums_are_weighted_by_the_loss_factor():
+    """P and N are sums of f_t d_t: the flow of the update the loss applies, not of every sampled token."""
+    flow = torch.tensor([[0.3, -0.1, 0.4], [-0.5, 0.2, 9.0]])
+    factor = torch.tensor([[2.0, 1.0, 0.0], [0.5, 0.5, 0.0]])
+    stats = flow_stats(flow, factor)
+    assert stats.increase.item() == pytest.approx(2 * 0.3 + 0.5 * 0.2)
+    assert stats.decrease.item() == pytest.approx(0.1 + 0.5 * 0.5)
+    assert stats.tokens.item() == 4 and stats.increase_tokens.item() == 2 and stats.decrease_tokens.item() == 2
+    weights = token_weights(flow, stats.lambda_star)
+    assert (flow.double() * weights.double() * factor.double()).sum().item() == pytest.approx(0.0, abs=1e-7)
+
+
+def test_a_sequence_with_factor_zero_changes_nothing():
+    gen = torch.Generator().manual_seed(11)
+    flow = torch.randn(4, 6, generator=gen)
+    factor = torch.rand(4, 6, generator=gen)
+    factor[2] = 0.0  # e.g. a sequence whose vLLM importance weight was masked to 0
+    reference = flow_stats(flow, factor).to_tensor()
+    changed = flow.clone()
+    changed[2] = torch.randn(6, generator=gen) * 100
+    torch.testing.assert_close(flow_stats(changed, factor).to_tensor(), reference)
+    torch.testing.assert_close(flow_stats(flow[[0, 1, 3]], factor[[0, 1, 3]]).to_tensor(), reference)

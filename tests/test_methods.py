@@ -1,3 +1,7 @@
+import dataclasses
+import warnings
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -10,9 +14,11 @@ from opefo_trl.methods import (
     KLCov,
     TokenBatch,
     TokenMethod,
+    TokenTerms,
     build_token_method,
     covariance_scores,
     register_token_method,
+    setting,
 )
 
 
@@ -20,12 +26,12 @@ def _batch(seed=0, b=4, t=50, old_shift=None):
     gen = torch.Generator().manual_seed(seed)
     logps = -torch.rand(b, t, generator=gen) * 6
     adv = torch.randn(b, generator=gen)[:, None].expand(b, t) * 3
-    mask = torch.ones(b, t)
-    mask[0, -7:] = 0  # padding
+    factor = torch.ones(b, t)
+    factor[0, -7:] = 0  # padding
     old = None if old_shift is None else logps - old_shift(gen, b, t)
-    return TokenBatch(
-        logps=logps, entropies=torch.rand(b, t, generator=gen) * 2, advantages=adv, mask=mask, old_logps=old
-    )
+    entropies = torch.rand(b, t, generator=gen) * 2
+    flow = entropy_flow(logps, entropies, adv)
+    return TokenBatch(logps=logps, entropies=entropies, advantages=adv, factor=factor, flow=flow, old_logps=old)
 
 
 def test_registry_lists_every_method_and_unknown_names_list_the_valid_ones():
@@ -34,26 +40,55 @@ def test_registry_lists_every_method_and_unknown_names_list_the_valid_ones():
         build_token_method("opfeo")
 
 
-def test_a_new_method_plugs_in_without_trainer_code():
-    @register_token_method("_test_halve")
-    class Halve(TokenMethod):
-        def micro_batch_terms(self, batch, logps, reduce_sum=lambda x: x):
-            from opefo_trl.methods import TokenTerms
+def test_a_new_method_plugs_in_with_its_own_settings():
+    @dataclass
+    class ScaleSettings:
+        test_scale: float = setting(0.5, "weight of every token")
 
-            return TokenTerms(weights=torch.full_like(batch.logps, 0.5))
+        def __post_init__(self):
+            if self.test_scale < 0:
+                raise ValueError("test_scale must be >= 0")
+
+    @register_token_method("_test_scale")
+    class Scale(TokenMethod):
+        Settings = ScaleSettings
+
+        def micro_batch_terms(self, batch, logps, reduce_sum=lambda x: x):
+            return TokenTerms(weights=torch.full_like(batch.logps, self.settings.test_scale))
 
     try:
         batch = _batch()
-        assert build_token_method("_test_halve").micro_batch_terms(batch, batch.logps).weights.unique().item() == 0.5
+        assert build_token_method("_test_scale").micro_batch_terms(batch, batch.logps).weights.unique().item() == 0.5
+        assert Scale(test_scale=0.25).micro_batch_terms(batch, batch.logps).weights.unique().item() == 0.25
+
+        @dataclass
+        class Config(ScaleSettings):
+            unrelated: int = 3
+
+        assert Scale.from_config(Config(test_scale=0.75)).settings.test_scale == 0.75
+        with pytest.raises(ValueError, match=r"test_scale must be >= 0"):
+            Scale.from_config(Config(test_scale=-1.0))
+        with pytest.raises(ValueError, match=r"reads the settings \['test_scale'\].*OPEFOConfig, ScaleSettings"):
+            Scale.from_config(object())
         with pytest.raises(ValueError, match="already registered"):
-            register_token_method("_test_halve")(Halve)
+            register_token_method("_test_scale")(Scale)
     finally:
-        TOKEN_METHODS.pop("_test_halve")
+        TOKEN_METHODS.pop("_test_scale")
+
+
+def test_settings_are_built_by_keyword_and_a_settings_object_excludes_keywords():
+    assert PAR(par_coef=0.3, par_coef_step=0.1).settings == PAR.Settings(par_coef=0.3, par_coef_step=0.1)
+    with pytest.raises(TypeError, match="not both"):
+        PAR(PAR.Settings(), par_coef=0.3)
+    with pytest.raises(TypeError):
+        PAR(0.3)  # positional values are refused: a reordered field cannot silently swap settings
+    for method in TOKEN_METHODS.values():  # every built-in setting has help text
+        assert all(f.metadata.get("help") for f in dataclasses.fields(method.Settings))
 
 
 def test_covariance_scores_use_means_over_valid_tokens():
     batch = _batch()
-    m = batch.mask.bool()
+    m = batch.factor.bool()
     expected = (batch.advantages - batch.advantages[m].mean()) * (batch.logps - batch.logps[m].mean())
     torch.testing.assert_close(covariance_scores(batch), expected)
 
@@ -61,14 +96,14 @@ def test_covariance_scores_use_means_over_valid_tokens():
 def test_clip_cov_drops_exactly_the_budget_inside_the_window_and_never_ppo_clipped_tokens():
     # Half of the tokens get a ratio far outside [0.8, 1.2]: those in the clipped direction must never be picked.
     batch = _batch(seed=1, old_shift=lambda g, b, t: (torch.rand(b, t, generator=g) > 0.5) * 1.0)
-    method = ClipCov(ratio=0.05, lower=0.5, upper=4.0, epsilon_low=0.2, epsilon_high=0.2)
+    method = ClipCov(clip_cov_ratio=0.05, clip_cov_lb=0.5, clip_cov_ub=4.0, epsilon_low=0.2, epsilon_high=0.2)
     cov = covariance_scores(batch)
     clipped = method.ppo_clipped(batch)
-    window = batch.mask.bool() & (cov > 0.5) & (cov < 4.0)
+    window = batch.in_loss & (cov > 0.5) & (cov < 4.0)
     assert clipped.any() and (window & ~clipped).sum() > 10
     torch.manual_seed(0)
     dropped = method.select(batch)
-    n_valid = int(batch.mask.sum())
+    n_valid = int(batch.in_loss.sum())
     assert int(dropped.sum()) == max(1, int(0.05 * n_valid))
     assert not (dropped & ~window).any(), "a token outside (lb, ub) or padding was dropped"
     assert not (dropped & clipped).any(), "a token PPO already clipped was dropped"
@@ -81,20 +116,20 @@ def test_clip_cov_drops_exactly_the_budget_inside_the_window_and_never_ppo_clipp
 def test_clip_cov_drops_all_candidates_when_fewer_than_the_budget_and_at_least_one():
     batch = _batch(seed=2)
     cov = covariance_scores(batch)
-    top = cov[batch.mask.bool()].max().item()
-    method = ClipCov(ratio=0.5, lower=top - 1e-6, upper=top + 1.0)  # exactly one candidate
+    top = cov[batch.in_loss].max().item()
+    method = ClipCov(clip_cov_ratio=0.5, clip_cov_lb=top - 1e-6, clip_cov_ub=top + 1.0)  # exactly one candidate
     assert int(method.select(batch).sum()) == 1
-    method = ClipCov(ratio=1e-9, lower=-1e9, upper=1e9)  # budget rounds down to 0: still one token
+    method = ClipCov(clip_cov_ratio=1e-9, clip_cov_lb=-1e9, clip_cov_ub=1e9)  # budget rounds down to 0: still one
     assert int(method.select(batch).sum()) == 1
-    method = ClipCov(ratio=0.5, lower=1e8, upper=1e9)  # no candidate at all
+    method = ClipCov(clip_cov_ratio=0.5, clip_cov_lb=1e8, clip_cov_ub=1e9)  # no candidate at all
     assert int(method.select(batch).sum()) == 0
 
 
 def test_kl_cov_penalises_exactly_the_top_k_with_the_hand_derived_gradient():
     batch = _batch(seed=3, old_shift=lambda g, b, t: torch.randn(b, t, generator=g) * 0.1)
-    method = KLCov(ratio=0.03, coef=2.0)
+    method = KLCov(kl_cov_ratio=0.03, kl_cov_coef=2.0)
     chosen = method.select(batch)
-    valid = batch.mask.bool()
+    valid = batch.in_loss
     k = max(1, int(0.03 * int(valid.sum())))
     assert int(chosen.sum()) == k
     cov = covariance_scores(batch)
@@ -111,14 +146,14 @@ def test_kl_cov_penalises_exactly_the_top_k_with_the_hand_derived_gradient():
 def test_kl_cov_is_inert_on_policy():
     batch = _batch(seed=4)  # old_logps None: ratio 1
     logps = batch.logps.clone().requires_grad_(True)
-    KLCov(ratio=0.1).micro_batch_terms(batch, logps).extra_loss.sum().backward()
+    KLCov(kl_cov_ratio=0.1).micro_batch_terms(batch, logps).extra_loss.sum().backward()
     assert torch.count_nonzero(logps.grad) == 0
 
 
 def test_par_scales_only_positive_advantage_tokens():
     batch = _batch(seed=5)
     batch.advantages = torch.tensor([1.5, -0.5, 0.0, 2.0])[:, None].expand_as(batch.logps)
-    weights = PAR(coef=0.3).micro_batch_terms(batch, batch.logps).weights
+    weights = PAR(par_coef=0.3).micro_batch_terms(batch, batch.logps).weights
     positive = batch.advantages > 0
     assert positive.any() and (~positive).any()
     torch.testing.assert_close(weights[positive], torch.full_like(weights[positive], 0.3))
@@ -126,7 +161,7 @@ def test_par_scales_only_positive_advantage_tokens():
 
 
 def test_par_controller_moves_by_one_step_per_optimizer_step_within_bounds():
-    par = PAR(coef=None, coef_init=0.1, entropy_target=0.2, coef_step=0.05)
+    par = PAR(par_coef=None, par_coef_init=0.1, par_entropy_target=0.2, par_coef_step=0.05)
     low = TokenBatch(torch.zeros(1, 4), torch.full((1, 4), 0.1), torch.ones(1, 4), torch.ones(1, 4))
     high = TokenBatch(torch.zeros(1, 4), torch.full((1, 4), 0.9), torch.ones(1, 4), torch.ones(1, 4))
     coefs = []
@@ -143,13 +178,13 @@ def test_par_controller_moves_by_one_step_per_optimizer_step_within_bounds():
     fresh = PAR()
     fresh.load_state_dict(par.state_dict())
     assert fresh.coef == 1.0
-    constant = PAR(coef=0.3)  # a constant coefficient is configuration: a checkpoint does not override it
+    constant = PAR(par_coef=0.3)  # a constant coefficient is configuration: a checkpoint does not override it
     constant.load_state_dict(par.state_dict())
     assert constant.coef == 0.3
 
 
 def test_par_controller_uses_the_rank_reduced_mean_entropy():
-    par = PAR(coef=None, coef_init=0.5)
+    par = PAR(par_coef=None, par_coef_init=0.5)
     par.micro_batch_terms(
         *(lambda b: (b, b.logps))(
             TokenBatch(torch.zeros(1, 2), torch.full((1, 2), 0.1), torch.ones(1, 2), torch.ones(1, 2))
@@ -161,42 +196,103 @@ def test_par_controller_uses_the_rank_reduced_mean_entropy():
     assert par.pop_metrics()["par/entropy"] == pytest.approx(0.3)
 
 
+def test_par_controller_ignores_tokens_outside_the_loss():
+    par = PAR(par_coef=None, par_coef_init=0.5)
+    entropies = torch.tensor([[0.1, 0.1, 5.0]])
+    factor = torch.tensor([[1.0, 1.0, 0.0]])  # the high-entropy token is masked out of the loss
+    par.micro_batch_terms(TokenBatch(torch.zeros(1, 3), entropies, torch.ones(1, 3), factor), torch.zeros(1, 3))
+    par.on_optimizer_step()
+    assert par.pop_metrics()["par/entropy"] == pytest.approx(0.1)
+    assert par.coef == pytest.approx(0.45)
+
+
 def test_opefo_rollout_weights_balance_the_flow_and_report_metrics():
     batch = _batch(seed=6)
     method = OPEFO()
     weights = method.rollout_weights(batch)
-    flow = entropy_flow(batch.logps, batch.entropies, batch.advantages)
-    stats = flow_stats(flow, batch.mask)
+    stats = flow_stats(batch.flow, batch.factor)
+    method.on_optimizer_step()
     metrics = method.pop_metrics()
-    assert metrics["entropy_flow/lambda"] == pytest.approx(stats.lambda_star.item())
-    assert metrics["entropy_flow/increase"] == pytest.approx(stats.increase.item())
+    assert metrics["opefo/lambda"] == pytest.approx(stats.lambda_star.item())
+    assert metrics["opefo/lambda_applied"] == pytest.approx(stats.lambda_star.item())
     assert abs(metrics["opefo/weighted_net"]) < 1e-5 * (stats.increase + stats.decrease).item()
+    assert not any(name.startswith("entropy_flow/") for name in metrics)  # the diagnostics' prefix is not OPEFO's
     assert weights.shape == batch.logps.shape
+    method.on_optimizer_step()  # a second optimizer step on the same rollout batch (off-policy opt-in) logs it too
+    assert method.pop_metrics() == metrics
+
+
+def test_opefo_balances_the_factor_weighted_flow():
+    batch = _batch(seed=8)
+    batch.factor = torch.rand(batch.factor.shape, generator=torch.Generator().manual_seed(0)) * batch.factor
+    batch.factor[1] = 0.0  # a sequence the loss drops
+    weights = OPEFO().rollout_weights(batch)
+    effective = (batch.factor * weights * batch.flow).double().sum()
+    gross = (batch.factor * batch.flow.abs()).double().sum()
+    assert abs(effective.item()) <= 1e-6 * gross.item()
+    unweighted = (batch.factor * batch.flow).double().sum()
+    assert abs(unweighted.item()) > 1e-3 * gross.item()
+
+
+def test_opefo_needs_the_flow():
+    batch = _batch()
+    batch.flow = None
+    with pytest.raises(ValueError, match="TokenBatch.flow"):
+        OPEFO().rollout_weights(batch)
 
 
 def test_opefo_fixed_lambda_and_sides():
     batch = _batch(seed=7)
-    flow = entropy_flow(batch.logps, batch.entropies, batch.advantages)
-    weights = OPEFO(fixed_lambda=0.001, sides="increase_only").rollout_weights(batch)
+    flow = batch.flow
+    weights = OPEFO(opefo_lambda=0.001, opefo_sides="increase_only").rollout_weights(batch)
     torch.testing.assert_close(weights[flow > 0], torch.full_like(weights[flow > 0], 1.001))
     assert torch.all(weights[flow <= 0] == 1.0)
-    assert torch.all(OPEFO(fixed_lambda=0.0).rollout_weights(batch) == 1.0)
+    assert torch.all(OPEFO(opefo_lambda=0.0).rollout_weights(batch) == 1.0)
+
+
+def test_regime_guard_warns_once_when_lambda_stays_large():
+    method = OPEFO(opefo_lambda_warn=0.1)
+    batch = _batch(seed=9)
+    batch.flow = -batch.flow.abs()  # every token decreases entropy: lambda* = 1
+    for _ in range(OPEFO.REGIME_WINDOW - 1):
+        method.rollout_weights(batch)
+        assert method.regime_warning() is None  # fewer than 20 steps: no verdict yet
+    method.rollout_weights(batch)
+    message = method.regime_warning()
+    assert "averaged over the last 20 optimizer steps is 1" in message and "entropy_flow_estimate='param'" in message
+    assert "entropy_flow_audit_steps" in message
+    method.rollout_weights(batch)
+    assert method.regime_warning() is None  # once
+
+
+def test_regime_guard_stays_quiet_in_the_paper_regime():
+    method = OPEFO()
+    gen = torch.Generator().manual_seed(1)
+    flow = torch.randn(8, 64, generator=gen)
+    flow = flow - flow.mean()  # a balanced flow: lambda* ~ 0
+    batch = TokenBatch(flow, flow.abs(), torch.ones_like(flow), torch.ones_like(flow), flow=flow)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3 * OPEFO.REGIME_WINDOW):
+            method.rollout_weights(batch)
+            assert method.regime_warning() is None
 
 
 @pytest.mark.parametrize(
     "factory,match",
     [
-        (lambda: OPEFO(estimate="exact"), "Unknown entropy-flow estimate"),
-        (lambda: OPEFO(fixed_lambda=1.5), r"\[-1, 1\]"),
-        (lambda: OPEFO(sides="up"), "opefo_sides"),
-        (lambda: PAR(coef=1.2), r"par_coef must lie in \[0, 1\]"),
-        (lambda: PAR(coef_step=0.0), "par_coef_step"),
-        (lambda: ClipCov(ratio=0.0), "clip_cov_ratio"),
-        (lambda: ClipCov(lower=5.0, upper=1.0), "clip_cov_lb must be < clip_cov_ub"),
-        (lambda: KLCov(ratio=2.0), "kl_cov_ratio"),
-        (lambda: KLCov(coef=-1.0), "kl_cov_coef"),
+        (lambda: OPEFO(opefo_lambda=1.5), r"\[-1, 1\]"),
+        (lambda: OPEFO(opefo_sides="up"), "opefo_sides"),
+        (lambda: OPEFO(opefo_lambda_warn=0.0), "opefo_lambda_warn"),
+        (lambda: PAR(par_coef=1.2), r"par_coef must lie in \[0, 1\]"),
+        (lambda: PAR(par_coef_step=0.0), "par_coef_step"),
+        (lambda: ClipCov(clip_cov_ratio=0.0), "clip_cov_ratio"),
+        (lambda: ClipCov(clip_cov_lb=5.0, clip_cov_ub=1.0), "clip_cov_lb must be < clip_cov_ub"),
+        (lambda: KLCov(kl_cov_ratio=2.0), "kl_cov_ratio"),
+        (lambda: KLCov(kl_cov_coef=-1.0), "kl_cov_coef"),
+        (lambda: OPEFO(estimate="opefo"), "unexpected keyword"),
     ],
 )
-def test_invalid_coefficients_are_rejected(factory, match):
-    with pytest.raises(ValueError, match=match):
+def test_invalid_settings_are_rejected(factory, match):
+    with pytest.raises((ValueError, TypeError), match=match):
         factory()

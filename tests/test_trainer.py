@@ -1,13 +1,16 @@
-"""OPEFOTrainer runs wherever GRPOTrainer runs, logs the entropy-flow metrics, and equals GRPO at lambda = 0."""
+"""OPEFOTrainer runs wherever GRPOTrainer runs, balances the flow of the update TRL really applies, logs the
+entropy-flow metrics, keeps the user's config, and equals GRPO at lambda = 0."""
 
 import json
 import os
+import warnings
 
 import pytest
 import torch
 
 from opefo_trl import OPEFOConfig, OPEFOTrainer
-from opefo_trl.entropy_flow import entropy_flow, flow_stats
+from opefo_trl.entropy_flow import entropy_flow, flow_per_unit_advantage, flow_stats, token_weights
+from opefo_trl.trainer import ADVANTAGES, UNIT_FLOW
 
 FLOW_METRICS = [
     "entropy_flow/lambda",
@@ -17,11 +20,7 @@ FLOW_METRICS = [
     "entropy_flow/increase_token_frac",
     "entropy_flow/decrease_token_frac",
 ]
-
-
-def length_reward(completions, **kwargs):
-    """Deterministic and varied within a group, so advantages are non-zero."""
-    return [float(len(c[0]["content"]) % 3) for c in completions]
+OPEFO_METRICS = ["opefo/lambda", "opefo/lambda_applied", "opefo/weighted_net"]
 
 
 def base_settings(tmp_path, **overrides):
@@ -52,12 +51,35 @@ def logged(trainer, name):
     return [entry[name] for entry in trainer.state.log_history if name in entry]
 
 
-def train(tiny_model_path, tiny_dataset, args, **kwargs):
-    trainer = OPEFOTrainer(
+def make_trainer(tiny_model_path, tiny_dataset, length_reward, args, trainer_class=OPEFOTrainer, **kwargs):
+    return trainer_class(
         model=tiny_model_path, reward_funcs=length_reward, args=args, train_dataset=tiny_dataset, **kwargs
     )
-    trainer.train()
-    return trainer
+
+
+@pytest.fixture
+def train(tiny_model_path, tiny_dataset, length_reward):
+    def run(args, trainer_class=OPEFOTrainer, **kwargs):
+        trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, args, trainer_class, **kwargs)
+        trainer.train()
+        return trainer
+
+    return run
+
+
+def _assert_balanced(trainer):
+    """lambda* is (N - P) / (N + P) of the logged sums and the reweighted flow is zero, on every step."""
+    for lam, inc, dec, net in zip(*(logged(trainer, n) for n in FLOW_METRICS[:4]), strict=True):
+        assert -1.0 <= lam <= 1.0 and inc >= 0 and dec >= 0
+        assert lam == pytest.approx((dec - inc) / (dec + inc))
+        assert net == pytest.approx(inc - dec)
+    for inc, dec, weighted_net in zip(
+        logged(trainer, "entropy_flow/increase"),
+        logged(trainer, "entropy_flow/decrease"),
+        logged(trainer, "opefo/weighted_net"),
+        strict=True,
+    ):
+        assert abs(weighted_net) <= 1e-5 * (inc + dec)
 
 
 @pytest.mark.parametrize(
@@ -70,23 +92,20 @@ def train(tiny_model_path, tiny_dataset, args, **kwargs):
         dict(beta=0.1),
         dict(gradient_accumulation_steps=2, per_device_train_batch_size=4),
         dict(entropy_flow_estimate="full", gradient_accumulation_steps=2, per_device_train_batch_size=4),
+        dict(entropy_flow_estimate="param", gradient_accumulation_steps=2, per_device_train_batch_size=4),
     ],
-    ids=["dapo", "grpo", "bnpo", "dr_grpo", "beta", "grad_accum", "full_estimate"],
+    ids=["dapo", "grpo", "bnpo", "dr_grpo", "beta", "grad_accum", "full_estimate", "param_estimate"],
 )
-def test_opefo_trains_in_grpo_configurations_and_logs_flow_metrics(tiny_model_path, tiny_dataset, tmp_path, overrides):
-    trainer = train(tiny_model_path, tiny_dataset, make_config(tmp_path, **overrides))
-    for name in FLOW_METRICS + ["opefo/weighted_net", "loss", "entropy", "reward"]:
+def test_opefo_trains_in_grpo_configurations_and_logs_flow_metrics(train, tmp_path, overrides):
+    trainer = train(make_config(tmp_path, **overrides))
+    for name in FLOW_METRICS + OPEFO_METRICS + ["loss", "entropy", "reward"]:
         assert len(logged(trainer, name)) == 2, f"{name} missing from log_history"
-    for lam, inc, dec, net in zip(*(logged(trainer, n) for n in FLOW_METRICS[:4]), strict=True):
-        assert -1.0 <= lam <= 1.0 and inc >= 0 and dec >= 0
-        assert lam == pytest.approx((dec - inc) / (dec + inc))
-        assert net == pytest.approx(inc - dec)
-    for inc, weighted_net in zip(
-        logged(trainer, "entropy_flow/increase"), logged(trainer, "opefo/weighted_net"), strict=True
-    ):
-        assert abs(weighted_net) <= 1e-5 * inc
+    assert logged(trainer, "opefo/lambda") == pytest.approx(logged(trainer, "entropy_flow/lambda"))
+    _assert_balanced(trainer)
     if "beta" in overrides:
         assert len(logged(trainer, "kl")) == 2
+    if overrides.get("entropy_flow_estimate") == "param":
+        assert all(error < 0.05 for error in logged(trainer, "entropy_flow/param_check_error"))
 
 
 @pytest.mark.parametrize(
@@ -94,42 +113,50 @@ def test_opefo_trains_in_grpo_configurations_and_logs_flow_metrics(tiny_model_pa
     [
         dict(entropy_flow_estimate="full", gradient_accumulation_steps=2, per_device_train_batch_size=4),
         dict(beta=0.1, num_iterations=2, allow_off_policy=True),  # reference = adapter disabled, after TRL's pass
+        dict(entropy_flow_estimate="param"),
     ],
-    ids=["full_estimate", "beta_off_policy"],
+    ids=["full_estimate", "beta_off_policy", "param_estimate"],
 )
-def test_opefo_trains_with_lora(tiny_model_path, tiny_dataset, tmp_path, overrides):
+def test_opefo_trains_with_lora(train, tmp_path, overrides):
     from peft import LoraConfig
 
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    args = make_config(tmp_path, **overrides)
-    trainer = train(tiny_model_path, tiny_dataset, args, peft_config=peft_config)
-    assert len(logged(trainer, "entropy_flow/lambda")) == (1 if "num_iterations" in overrides else 2)
+    frozen = {}
+
+    class Recording(OPEFOTrainer):
+        def _entropy_alignment(self, batches):
+            model = self.accelerator.unwrap_model(self.model)
+            frozen.update({n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad})
+            return super()._entropy_alignment(batches)
+
+    trainer = train(make_config(tmp_path, **overrides), Recording, peft_config=peft_config)
+    # Every optimizer step logs the flow, also the second update on the same rollout batch (num_iterations=2).
+    assert len(logged(trainer, "entropy_flow/lambda")) == len(logged(trainer, "opefo/lambda")) == 2
     trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora" in n for n in trainable)
+    if overrides.get("entropy_flow_estimate") == "param":
+        # Only the adapters enter the parameter-space flow: the frozen weights are never perturbed.
+        assert frozen and not any("lora" in n for n in frozen)
+        after = dict(trainer.model.named_parameters())
+        assert all(torch.equal(after[n].detach(), value) for n, value in frozen.items())
 
 
-def _parameters_after_one_step(trainer_class, tiny_model_path, tiny_dataset, args):
+def _parameters_after_one_step(train, args, trainer_class):
     from transformers import set_seed
 
     set_seed(0)
-    trainer = trainer_class(model=tiny_model_path, reward_funcs=length_reward, args=args, train_dataset=tiny_dataset)
-    trainer.train()
+    trainer = train(args, trainer_class)
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
-def test_lambda_zero_takes_the_same_step_as_grpo_and_lambda_star_does_not(
-    tiny_model_path, tiny_dataset, tmp_path, accumulation
-):
+def test_lambda_zero_takes_the_same_step_as_grpo_and_lambda_star_does_not(train, tmp_path, accumulation):
     from trl import GRPOConfig, GRPOTrainer
 
     common = dict(max_steps=1, gradient_accumulation_steps=accumulation, per_device_train_batch_size=8 // accumulation)
-    grpo_args = GRPOConfig(**base_settings(tmp_path, **common))
-    reference = _parameters_after_one_step(GRPOTrainer, tiny_model_path, tiny_dataset, grpo_args)
-    zero = _parameters_after_one_step(
-        OPEFOTrainer, tiny_model_path, tiny_dataset, make_config(tmp_path, opefo_lambda=0.0, **common)
-    )
-    balanced = _parameters_after_one_step(OPEFOTrainer, tiny_model_path, tiny_dataset, make_config(tmp_path, **common))
+    reference = _parameters_after_one_step(train, GRPOConfig(**base_settings(tmp_path, **common)), GRPOTrainer)
+    zero = _parameters_after_one_step(train, make_config(tmp_path, opefo_lambda=0.0, **common), OPEFOTrainer)
+    balanced = _parameters_after_one_step(train, make_config(tmp_path, **common), OPEFOTrainer)
     for name, value in reference.items():
         torch.testing.assert_close(zero[name], value, rtol=0, atol=1e-7, msg=f"{name} differs at lambda=0")
     assert any(not torch.allclose(balanced[n], reference[n], atol=1e-7) for n in reference)
@@ -141,27 +168,46 @@ def test_lambda_zero_takes_the_same_step_as_grpo_and_lambda_star_does_not(
         ("grpo", {}, FLOW_METRICS),
         ("grpo", dict(entropy_coef=1e-3), FLOW_METRICS + ["entropy_coef"]),
         ("par", {}, ["par/coef", "par/entropy"] + FLOW_METRICS),
-        ("par", dict(par_coef=0.5), ["par/coef"]),
         ("clip_cov", dict(clip_cov_lb=-1e9, clip_cov_ub=1e9), ["clip_cov/dropped_frac"] + FLOW_METRICS),
         ("kl_cov", dict(num_iterations=2), ["kl_cov/penalised_frac"] + FLOW_METRICS),
-        ("opefo", dict(opefo_sides="decrease_only"), FLOW_METRICS + ["opefo/lambda_applied"]),
+        ("opefo", dict(opefo_sides="decrease_only"), FLOW_METRICS + OPEFO_METRICS),
     ],
 )
-def test_every_method_trains_and_logs_its_metrics(tiny_model_path, tiny_dataset, tmp_path, method, overrides, expected):
-    trainer = train(tiny_model_path, tiny_dataset, make_config(tmp_path, method=method, **overrides))
+def test_every_method_trains_and_logs_its_metrics_every_step(train, tmp_path, method, overrides, expected):
+    trainer = train(make_config(tmp_path, method=method, **overrides))
     for name in expected:
-        values = logged(trainer, name)
-        assert values, f"{name} missing from log_history of method={method}"
+        assert len(logged(trainer, name)) == 2, f"{name} not logged on every step of method={method}"
     if method == "clip_cov":
         assert all(0 < v < 0.05 for v in logged(trainer, "clip_cov/dropped_frac"))
 
 
-def test_diagnostics_disabled_log_no_flow(tiny_model_path, tiny_dataset, tmp_path):
-    trainer = train(tiny_model_path, tiny_dataset, make_config(tmp_path, method="grpo", entropy_flow_diagnostics=False))
-    assert not logged(trainer, "entropy_flow/lambda")
+def test_a_constant_par_coefficient_weights_every_positive_token_by_it(train, tmp_path):
+    seen = []
+
+    class Spy(OPEFOTrainer):
+        def _apply_token_method(self, logps, entropies, vocab):
+            original = self._loss_inputs["advantages"].clone()
+            super()._apply_token_method(logps, entropies, vocab)
+            seen.append((original, self._loss_inputs["advantages"]))
+
+    trainer = train(make_config(tmp_path, method="par", par_coef=0.5), Spy)
+    assert logged(trainer, "par/coef") == [0.5, 0.5]
+    assert len(seen) == 2
+    for original, applied in seen:
+        expected = torch.where(original > 0, 0.5 * original, original)[:, None].expand_as(applied)
+        torch.testing.assert_close(applied, expected)
+        assert (original > 0).any() and (original < 0).any()
 
 
-def test_grpo_diagnostics_equal_the_maths_on_the_same_batch(tiny_model_path, tiny_dataset, tmp_path):
+@pytest.mark.parametrize("method", ["grpo", "opefo"])
+def test_diagnostics_switched_off_log_no_entropy_flow_metrics(train, tmp_path, method):
+    trainer = train(make_config(tmp_path, method=method, entropy_flow_diagnostics=False))
+    assert not any(name.startswith("entropy_flow/") for entry in trainer.state.log_history for name in entry)
+    if method == "opefo":  # OPEFO's own lambda* keeps its own prefix
+        assert all(len(logged(trainer, name)) == 2 for name in OPEFO_METRICS)
+
+
+def test_grpo_diagnostics_equal_the_maths_on_the_same_batch(train, tmp_path):
     """Recompute log pi and H with a plain full-softmax forward of the pre-step model, then the flow by hand."""
     seen = []
 
@@ -180,23 +226,144 @@ def test_grpo_diagnostics_equal_the_maths_on_the_same_batch(tiny_model_path, tin
                     entropies=-(logp.exp() * logp).sum(-1),
                     advantages=inputs["advantages"].clone(),
                     mask=inputs["completion_mask"].clone(),
+                    tokens=inputs["num_items_in_batch"].clone(),
                 )
             )
             return super()._compute_loss(model, inputs)
 
-    args = make_config(tmp_path, method="grpo", max_steps=1)
-    trainer = Recording(model=tiny_model_path, reward_funcs=length_reward, args=args, train_dataset=tiny_dataset)
-    trainer.train()
+    trainer = train(make_config(tmp_path, method="grpo", max_steps=1), Recording)
     (batch,) = seen
-    stats = flow_stats(entropy_flow(batch["logps"], batch["entropies"], batch["advantages"]), batch["mask"])
+    # dapo: TRL divides the summed token losses by the rollout batch's token count.
+    assert batch["tokens"].item() == batch["mask"].sum().item()
+    factor = batch["mask"] / batch["tokens"]
+    stats = flow_stats(entropy_flow(batch["logps"], batch["entropies"], batch["advantages"]), factor)
     expected = stats.metrics()
     for name in FLOW_METRICS:
-        assert logged(trainer, name)[0] == pytest.approx(expected[name], rel=1e-3, abs=1e-6), name
+        assert logged(trainer, name)[0] == pytest.approx(expected[name], rel=1e-3, abs=1e-9), name
 
 
-def test_par_coefficient_survives_resume_from_checkpoint(tiny_model_path, tiny_dataset, tmp_path):
+def test_lambda_star_balances_the_flow_of_the_tokens_trl_keeps_under_an_entropy_mask(train, tmp_path):
+    """top_entropy_quantile < 1: TRL trains on the high-entropy tokens only; lambda* must balance their flow."""
+    from trl import GRPOTrainer
+
+    seen = []
+
+    class Spy(OPEFOTrainer):
+        def _compute_loss(self, model, inputs):
+            masks = []
+            original = GRPOTrainer.get_high_entropy_mask
+
+            def recording(trainer, entropies, mask, threshold):
+                masks.append(original(trainer, entropies, mask, threshold))
+                return masks[-1]
+
+            self.get_high_entropy_mask = recording.__get__(self)
+            try:
+                loss = super()._compute_loss(model, inputs)
+            finally:
+                del self.get_high_entropy_mask
+            # TRL's own mask in its own loss: the last one computed in this call.
+            seen.append(dict(entropy_mask=masks[-1], inputs=inputs))
+            return loss
+
+    args = make_config(
+        tmp_path, top_entropy_quantile=0.2, gradient_accumulation_steps=2, per_device_train_batch_size=4, max_steps=3
+    )
+    trainer = train(args, Spy)
+    nets, grosses = {}, {}
+    for step, record in enumerate(seen):
+        inputs, keep = record["inputs"], record["entropy_mask"].float()
+        assert keep.sum() < inputs["completion_mask"].sum(), "the entropy mask should drop tokens"
+        unit, applied = inputs[UNIT_FLOW], inputs["advantages"]
+        kept_flow = keep * inputs["completion_mask"] * applied * unit / inputs["num_items_in_batch"]
+        nets[step // 2] = nets.get(step // 2, 0.0) + kept_flow.double().sum().item()
+        grosses[step // 2] = grosses.get(step // 2, 0.0) + kept_flow.double().abs().sum().item()
+    assert len(nets) == 3
+    for optimizer_step, net in nets.items():
+        assert abs(net) <= 1e-5 * grosses[optimizer_step], (optimizer_step, net, grosses[optimizer_step])
+    assert any(abs(x) > 0 for x in logged(trainer, "opefo/lambda"))
+
+
+@pytest.fixture
+def emulated_vllm(monkeypatch):
+    """TRL's vLLM outputs without vLLM: after the rollout is generated on CPU, attach a sequence-level
+    importance-sampling ratio (some sequences masked to 0, as vllm_importance_sampling_mode='sequence_mask' does)
+    and switch the trainer's vLLM correction on, so that TRL's loss multiplies it in."""
+    from trl import GRPOTrainer
+
+    generate = GRPOTrainer._generate_and_score_completions
+    ratios = []
+
+    def with_importance_weights(self, inputs):
+        self.use_vllm = False  # generate with transformers
+        try:
+            output = generate(self, inputs)
+        finally:
+            self.use_vllm = True
+        gen = torch.Generator().manual_seed(len(ratios))
+        ratio = 0.5 + torch.rand(output["completion_ids"].size(0), 1, generator=gen)
+        ratio[::3] = 0.0  # every third sequence is off the trust region: zero weight
+        output["importance_sampling_ratio"] = ratio
+        ratios.append(ratio)
+        return output
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", with_importance_weights)
+    return ratios
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_lambda_star_balances_the_importance_weighted_flow_trl_applies(
+    tiny_model_path, tiny_dataset, length_reward, tmp_path, emulated_vllm, accumulation
+):
+    rollouts = []
+
+    class Spy(OPEFOTrainer):
+        def _apply_token_method(self, logps, entropies, vocab):
+            inputs = self._loss_inputs
+            original = inputs.get(ADVANTAGES, inputs["advantages"])
+            super()._apply_token_method(logps, entropies, vocab)
+            rollouts.append(
+                dict(
+                    original=_per_token(original, logps),
+                    applied=inputs["advantages"],
+                    unit=inputs.get(UNIT_FLOW, flow_per_unit_advantage(logps, entropies)),
+                    ratio=inputs["importance_sampling_ratio"],
+                    mask=inputs["completion_mask"].float(),
+                    tokens=inputs["num_items_in_batch"],
+                )
+            )
+
+    args = make_config(
+        tmp_path, gradient_accumulation_steps=accumulation, per_device_train_batch_size=8 // accumulation
+    )
+    trainer = Spy(model=tiny_model_path, reward_funcs=length_reward, args=args, train_dataset=tiny_dataset)
+    trainer.vllm_importance_sampling_correction = True
+    trainer.train()
+    assert len(emulated_vllm) == 2 and len(rollouts) == 2 * accumulation
+    for step in range(2):
+        parts = rollouts[step * accumulation : (step + 1) * accumulation]
+        factor = torch.cat([p["mask"] * p["ratio"] / p["tokens"] for p in parts])
+        unit, original = torch.cat([p["unit"] for p in parts]), torch.cat([p["original"] for p in parts])
+        applied = torch.cat([p["applied"] for p in parts])
+        net = (factor * applied * unit).double().sum().item()
+        gross = (factor * (applied * unit).abs()).double().sum().item()
+        assert abs(net) <= 1e-5 * gross
+        # The sequences the importance weight zeroes change nothing: lambda* of the others alone is the same.
+        kept = factor[:, 0] > 0
+        assert (~kept).any()
+        alone = flow_stats((original * unit)[kept], factor[kept]).lambda_star.item()
+        assert logged(trainer, "opefo/lambda")[step] == pytest.approx(alone, rel=1e-6, abs=1e-9)
+        everyone = flow_stats(original * unit, torch.cat([p["mask"] for p in parts])).lambda_star.item()
+        assert everyone != pytest.approx(alone, rel=1e-3)
+
+
+def _per_token(advantages, like):
+    return advantages[:, None].expand_as(like) if advantages.dim() == 1 else advantages
+
+
+def test_par_coefficient_survives_resume_from_checkpoint(train, tiny_model_path, tiny_dataset, length_reward, tmp_path):
     args = make_config(tmp_path, method="par", par_coef_init=0.5, save_strategy="steps", save_steps=2, max_steps=2)
-    first = train(tiny_model_path, tiny_dataset, args)
+    first = train(args)
     checkpoint = os.path.join(args.output_dir, "checkpoint-2")
     with open(os.path.join(checkpoint, "opefo_method_state.json")) as f:
         saved = json.load(f)
@@ -205,43 +372,68 @@ def test_par_coefficient_survives_resume_from_checkpoint(tiny_model_path, tiny_d
 
     # Resume and take one more step: the coefficient it applies is the one the first run handed on.
     more = make_config(tmp_path, method="par", par_coef_init=0.5, save_strategy="no", max_steps=3)
-    resumed = OPEFOTrainer(model=tiny_model_path, reward_funcs=length_reward, args=more, train_dataset=tiny_dataset)
+    resumed = make_trainer(tiny_model_path, tiny_dataset, length_reward, more)
     assert resumed.token_method.coef == 0.5
     resumed.train(resume_from_checkpoint=checkpoint)
     step3 = [entry for entry in resumed.state.log_history if entry.get("step") == 3 and "par/coef" in entry]
     assert step3 and step3[0]["par/coef"] == pytest.approx(first.token_method.coef)
 
     other = make_config(tmp_path, method="grpo", save_strategy="steps", save_steps=2, max_steps=2)
-    mismatched = OPEFOTrainer(model=tiny_model_path, reward_funcs=length_reward, args=other, train_dataset=tiny_dataset)
+    mismatched = make_trainer(tiny_model_path, tiny_dataset, length_reward, other)
     with pytest.raises(ValueError, match="trained with method='par'"):
         mismatched.train(resume_from_checkpoint=checkpoint)
 
 
-def test_a_grpo_config_is_accepted_as_a_drop_in(tiny_model_path, tiny_dataset, tmp_path):
+def test_a_users_grpo_config_is_kept_as_it_is(tiny_model_path, tiny_dataset, length_reward, tmp_path):
+    """Drop-in: the trainer keeps the very object, its class and its extra fields, and adds the OPEFO options."""
+    from dataclasses import dataclass, field
+
+    from transformers import TrainerCallback
     from trl import GRPOConfig
 
-    args = GRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=1,
-        bf16=False,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-    )
-    trainer = OPEFOTrainer(model=tiny_model_path, reward_funcs=length_reward, args=args, train_dataset=tiny_dataset)
-    assert isinstance(trainer.args, OPEFOConfig) and trainer.args.method == "opefo"
-    assert trainer.args.max_completion_length == 8
+    @dataclass
+    class MyConfig(GRPOConfig):
+        my_note: str = field(default="kept", metadata={"help": "a field of the user's own"})
+
+    read = []
+
+    class ReadsMyField(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            read.append(args.my_note)
+
+    args = MyConfig(**base_settings(tmp_path, max_steps=1))
+    trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, args, callbacks=[ReadsMyField()])
+    assert trainer.args is args and type(trainer.args) is MyConfig
+    assert args.method == "opefo" and args.entropy_flow_estimate == "opefo" and args.opefo_lambda is None
     trainer.train()
-    assert logged(trainer, "entropy_flow/lambda")
+    assert read == ["kept"]
+    assert logged(trainer, "opefo/lambda") and logged(trainer, "entropy_flow/lambda")
 
 
-def _scoring_passes(trainer_class, args, tiny_model_path, tiny_dataset):
+def test_an_off_policy_grpo_config_is_refused_with_a_fix_that_works_for_it(
+    tiny_model_path, tiny_dataset, length_reward, tmp_path
+):
+    from trl import GRPOConfig
+
+    settings = base_settings(tmp_path, num_iterations=2)
+    with pytest.raises(ValueError, match=r"pass an OPEFOConfig \(it takes every GRPOConfig option\) with allow_off"):
+        make_trainer(tiny_model_path, tiny_dataset, length_reward, GRPOConfig(**settings))
+    # The fix the message names works: the same settings in an OPEFOConfig with the opt-in.
+    OPEFOConfig(**settings, allow_off_policy=True)
+
+
+def test_the_hidden_state_hook_lives_only_during_the_forward_that_needs_it(train, tmp_path):
+    trainer = train(
+        make_config(
+            tmp_path, entropy_flow_estimate="full", gradient_accumulation_steps=2, per_device_train_batch_size=4
+        )
+    )
+    assert logged(trainer, "opefo/lambda")
+    assert not trainer._core_model().base_model._forward_hooks
+
+
+def _scoring_passes(trainer):
     """Backbone forwards other than single-token decoding (prefill + scoring), over the whole run."""
-    trainer = trainer_class(model=tiny_model_path, reward_funcs=length_reward, args=args, train_dataset=tiny_dataset)
     count = [0]
 
     def pre_hook(module, args, kwargs):
@@ -258,19 +450,23 @@ def _scoring_passes(trainer_class, args, tiny_model_path, tiny_dataset):
     [
         (dict(), 0),  # one micro-batch: the training forward gives the statistics
         (dict(num_iterations=2, allow_off_policy=True), 0),  # TRL's old-log-prob pass is reused
-        # one no-grad pass over the rollout batch, in micro-batch-sized chunks (2 backbone calls)
+        # one no-grad pass over the rollout batch, one backbone call per micro-batch
         (dict(gradient_accumulation_steps=2, per_device_train_batch_size=4), 2),
     ],
     ids=["single_micro_batch", "trl_scoring_pass_reused", "accumulation"],
 )
 def test_opefo_adds_a_forward_pass_only_when_trl_has_none_to_share(
-    tiny_model_path, tiny_dataset, tmp_path, overrides, extra_calls
+    tiny_model_path, tiny_dataset, length_reward, tmp_path, overrides, extra_calls
 ):
     from trl import GRPOConfig, GRPOTrainer
 
     settings = base_settings(tmp_path, **{k: v for k, v in overrides.items() if k != "allow_off_policy"})
-    grpo = _scoring_passes(GRPOTrainer, GRPOConfig(**settings), tiny_model_path, tiny_dataset)
-    opefo = _scoring_passes(OPEFOTrainer, make_config(tmp_path, **overrides), tiny_model_path, tiny_dataset)
+    grpo = _scoring_passes(
+        make_trainer(tiny_model_path, tiny_dataset, length_reward, GRPOConfig(**settings), GRPOTrainer)
+    )
+    opefo = _scoring_passes(
+        make_trainer(tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path, **overrides))
+    )
     rollouts = 2 if overrides.get("num_iterations") is None else 1  # max_steps=2
     assert opefo - grpo == extra_calls * rollouts
 
@@ -291,73 +487,188 @@ def test_opefo_adds_a_forward_pass_only_when_trl_has_none_to_share(
     ],
     ids=["training_forward", "scoring_pass", "trl_scoring_pass", "reused_single_micro_batch"],
 )
-def test_every_micro_batch_gets_the_weights_exactly_once(tiny_model_path, tiny_dataset, tmp_path, overrides):
-    """Per row, TRL must see advantages A * w with w in {1 + lambda*, 1 - lambda*, 1}: never A alone, never A * w^2."""
-    seen = []
+def test_every_micro_batch_gets_the_weights_exactly_once(
+    tiny_model_path, tiny_dataset, length_reward, tmp_path, overrides
+):
+    """TRL must see A * w with w = token_weights(d, lambda*) on every token: never A alone, never A * w^2."""
+    seen, lambdas = [], []
 
     class Spy(OPEFOTrainer):
         def _apply_token_method(self, logps, entropies, vocab):
+            inputs = self._loss_inputs
+            original = _per_token(inputs.get(ADVANTAGES, inputs["advantages"]), logps).clone()
+            unit = inputs.get(UNIT_FLOW)
+            if unit is None:  # weights from the training forward: the same log-probs give the same flow
+                unit = flow_per_unit_advantage(logps, entropies)
             super()._apply_token_method(logps, entropies, vocab)
-            seen.append((self._loss_inputs["advantages"].clone(), self._loss_mask(self._loss_inputs), lambdas[-1]))
+            seen.append(dict(original=original, applied=inputs["advantages"], unit=unit, lam=lambdas[-1]))
 
-    lambdas = []
-    trainer = Spy(
-        model=tiny_model_path,
-        reward_funcs=length_reward,
-        args=make_config(tmp_path, max_steps=4, **overrides),
-        train_dataset=tiny_dataset,
-    )
+    args = make_config(tmp_path, max_steps=4, **overrides)
+    trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, args, Spy)
     rollout_weights = trainer.token_method.rollout_weights
 
     def recording(batch, reduce_sum):
         weights = rollout_weights(batch, reduce_sum)
-        lambdas.append(trainer.token_method.metrics["opefo/lambda_applied"])
+        lambdas.append(trainer.token_method._rollout_metrics["opefo/lambda_applied"])
         return weights
 
     trainer.token_method.rollout_weights = recording
     trainer.train()
-    assert len(seen) == 4 * trainer.args.gradient_accumulation_steps
-    for advantages, mask, lam in seen:
-        assert advantages.dim() == 2, "the advantages reaching TRL must be per-token"
-        weighted_rows, active_rows = 0, 0
-        factors = torch.tensor([1 + lam, 1 - lam, 1.0], dtype=torch.float64)
-        for row, row_mask in zip(advantages.double(), mask.bool(), strict=True):
-            values = row[row_mask]
-            if values.numel() == 0 or values.abs().max() == 0:
-                continue
-            explained = [
-                base
-                for base in values[0] / factors
-                if all(torch.isclose(v / base, factors, rtol=1e-5, atol=0).any() for v in values)
-            ]
-            assert explained, f"row advantages {values.unique().tolist()} are not A x (1 +/- {lam}, 1)"
-            weighted_rows += int(values.unique().numel() > 1)
-            active_rows += 1
-        assert weighted_rows > 0 or active_rows == 0 or lam == 0, "a micro-batch reached the loss unweighted"
+    assert len(seen) == 4 * args.gradient_accumulation_steps
+    assert all(lam != 0 for lam in lambdas)
+    for record in seen:
+        expected = record["original"] * token_weights(record["original"] * record["unit"], record["lam"])
+        torch.testing.assert_close(record["applied"], expected, rtol=1e-6, atol=0)
+        assert not torch.allclose(record["applied"], record["original"], rtol=1e-6, atol=0)
 
 
-def test_clip_cov_trains_off_policy_with_default_epsilon_high(tiny_model_path, tiny_dataset, tmp_path):
-    trainer = train(tiny_model_path, tiny_dataset, make_config(tmp_path, method="clip_cov", num_iterations=2))
-    assert logged(trainer, "clip_cov/dropped_frac")
+def test_clip_cov_off_policy_uses_trl_clip_range_and_never_drops_a_ppo_clipped_token(train, tmp_path):
+    """epsilon_high unset means 'same as epsilon' in TRL; the second update on a rollout has ratios != 1, and the
+    tokens PPO clips there must not be picked again."""
+    picks = []
 
+    class Spy(OPEFOTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            select = self.token_method.select
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"])
-def test_extra_loss_terms_are_normalised_exactly_like_trl_policy_loss(
-    tiny_model_path, tiny_dataset, tmp_path, loss_type
-):
-    """With A = -1 and ratio 1, TRL's policy loss is its own aggregation of a per-token 1: ours must match it."""
-    from trl import GRPOTrainer
+            def recording(batch):
+                dropped = select(batch)
+                picks.append((dropped, self.token_method.ppo_clipped(batch)))
+                return dropped
+
+            self.token_method.select = recording
 
     args = make_config(
-        tmp_path, method="kl_cov", loss_type=loss_type, gradient_accumulation_steps=2, per_device_train_batch_size=4
+        tmp_path, method="clip_cov", num_iterations=2, learning_rate=0.05, clip_cov_lb=-1e9, clip_cov_ub=1e9,
+        clip_cov_ratio=0.2, max_steps=4,
+    )  # fmt: skip
+    trainer = train(args, Spy)
+    assert args.epsilon_high is None and trainer.token_method.epsilon_high == trainer.token_method.epsilon_low == 0.2
+    assert any(clipped.any() for _, clipped in picks), "no update moved a ratio out of [0.8, 1.2]: test is void"
+    for dropped, clipped in picks:
+        assert dropped.any() and not (dropped & clipped).any()
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"])
+def test_extra_loss_terms_are_normalised_exactly_like_trl_policy_loss(
+    tiny_model_path, tiny_dataset, length_reward, tmp_path, loss_type
+):
+    """With A = -1 and ratio 1, TRL's policy loss is its own aggregation of a known per-token value (1 for the
+    clipped losses, 2 / tau_neg for SAPO, log pi for VESPO and CISPO, clamped for CISPO): ours must match it."""
+    from trl import GRPOTrainer
+
+    extra = dict(vllm_importance_sampling_mode="token_truncate") if loss_type == "vespo" else {}
+    args = make_config(
+        tmp_path, loss_type=loss_type, gradient_accumulation_steps=2, per_device_train_batch_size=4, **extra
     )
-    trainer = OPEFOTrainer(model=tiny_model_path, reward_funcs=length_reward, args=args, train_dataset=tiny_dataset)
+    trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
     inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
-    inputs["advantages"] = -torch.ones_like(inputs["advantages"])
+    inputs = {k: v for k, v in inputs.items() if not k.startswith("opefo_")}
+    inputs["advantages"] = -torch.ones_like(inputs["completion_mask"], dtype=torch.float32)
     with torch.no_grad():
         trl_loss = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        logps, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, ids, attention, inputs["completion_ids"].size(1)
+        )
+    per_token = {
+        "cispo": logps * min(1.0, trainer.epsilon_high),  # CISPO's clamp(ratio, max=epsilon_high) at ratio 1
+        "vespo": logps,
+        "sapo": torch.full_like(logps, 2 / args.sapo_temperature_neg),
+    }
+    value = per_token.get(loss_type, torch.ones_like(logps))
     mask = trainer._loss_mask(inputs)
-    ours = trainer._aggregate_like_policy_loss(torch.ones_like(mask, dtype=torch.float32), mask, inputs)
-    assert ours.item() == pytest.approx(trl_loss.item(), rel=1e-6)
+    ours = trainer._aggregate_like_policy_loss(value, mask, inputs)
+    assert ours.item() == pytest.approx(trl_loss.item(), rel=1e-5)
+
+
+def test_the_regime_guard_warns_once_when_lambda_stays_large(train, tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = train(make_config(tmp_path, max_steps=21, opefo_lambda_warn=1e-9))
+    guard = [w for w in caught if "averaged over the last 20 optimizer steps" in str(w.message)]
+    assert len(guard) == 1 and "entropy_flow_estimate='param'" in str(guard[0].message)
+    assert len(logged(trainer, "opefo/lambda")) == 21
+
+
+def test_the_audit_measures_the_entropy_change_of_the_audited_steps_only(train, tmp_path):
+    """An SGD step of learning rate 0 changes nothing: the measured change is exactly 0, on steps 2 and 4."""
+    args = make_config(tmp_path, method="grpo", optim="sgd", learning_rate=0.0, max_steps=4, entropy_flow_audit_steps=2)
+    trainer = train(args)
+    audited = [entry["step"] for entry in trainer.state.log_history if "entropy_flow/measured_delta" in entry]
+    assert audited == [2, 4]
+    assert logged(trainer, "entropy_flow/measured_delta") == [0.0, 0.0]
+
+
+@pytest.fixture(scope="module")
+def warm_model_path(tiny_model_path, tmp_path_factory):
+    """The tiny model after a few supervised steps on fixed answers: peaked policies, away from the entropy maximum
+    (near it, a step's first-order entropy change is swamped by curvature)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    texts = [
+        f"<|im_start|>user\nWhat is {i} + 1?<|im_end|>\n<|im_start|>assistant\n{i + 1} 1 2 3<|im_end|>"
+        for i in range(16)
+    ]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    for _ in range(40):
+        loss = model(**batch, labels=batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    path = str(tmp_path_factory.mktemp("warm") / "model")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_param_predicted_entropy_change_matches_the_measured_one_and_opefo_cancels_it(
+    warm_model_path, tiny_dataset, length_reward, tmp_path
+):
+    """Plain SGD, preconditioner 'none': entropy_flow/predicted_delta (lr * clip * sum f w d) against the audit's
+    re-scored change on every step; on the same first rollout batch OPEFO predicts ~0 and changes entropy >= 20x
+    less than GRPO."""
+    runs = {}
+    for method in ("grpo", "opefo"):
+        args = make_config(
+            tmp_path, method=method, entropy_flow_estimate="param", entropy_flow_preconditioner="none", optim="sgd",
+            learning_rate=2e-3, max_steps=3, entropy_flow_audit_steps=1, lr_scheduler_type="constant",
+        )  # fmt: skip
+        trainer = make_trainer(warm_model_path, tiny_dataset, length_reward, args)
+        trainer.train()
+        runs[method] = (logged(trainer, "entropy_flow/measured_delta"), logged(trainer, "entropy_flow/predicted_delta"))
+    (grpo_measured, grpo_predicted), (opefo_measured, opefo_predicted) = runs["grpo"], runs["opefo"]
+    assert len(grpo_measured) == len(grpo_predicted) == 3
+    for m, p in zip(grpo_measured, grpo_predicted, strict=True):
+        assert abs(m) > 1e-4 and m == pytest.approx(p, rel=0.15)
+    assert all(abs(p) < 1e-8 for p in opefo_predicted)
+    assert abs(grpo_measured[0]) >= 20 * abs(opefo_measured[0]), (grpo_measured[0], opefo_measured[0])
+
+
+def test_param_trains_under_bf16_autocast(train, tmp_path):
+    trainer = train(make_config(tmp_path, entropy_flow_estimate="param", bf16=True, max_steps=1))
+    assert logged(trainer, "entropy_flow/param_check_error")[0] < 0.05
+    assert abs(logged(trainer, "opefo/weighted_net")[0]) <= 1e-5 * (
+        logged(trainer, "entropy_flow/increase")[0] + logged(trainer, "entropy_flow/decrease")[0]
+    )
+
+
+def test_param_refuses_weights_it_cannot_difference_and_optimizers_without_second_moments(
+    tiny_model_path, tiny_dataset, length_reward, tmp_path
+):
+    args = make_config(tmp_path, entropy_flow_estimate="param", model_init_kwargs={"dtype": "bfloat16"})
+    with pytest.raises(ValueError, match=r"float32 forwards, but the model has \['torch.bfloat16'\] weights"):
+        make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
+    trainer = make_trainer(
+        tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path, entropy_flow_estimate="param", optim="sgd")
+    )
+    with pytest.raises(ValueError, match="Adam's second moments, but the optimizer is SGD"):
+        trainer.train()

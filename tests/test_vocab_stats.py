@@ -21,24 +21,19 @@ def test_chunked_statistics_match_a_float64_full_softmax(vocab, token_chunk, voc
     hidden = torch.randn(2, 9, 32, generator=gen)
     weight = torch.randn(vocab, 32, generator=gen) * 0.3
     bias = torch.randn(vocab, generator=gen)
-    targets = torch.randint(0, vocab, (2, 9), generator=gen)
     stats = vocab_stats(
         hidden,
         weight,
         bias,
-        targets=targets,
         temperature=0.8,
         token_chunk_size=token_chunk,
         vocab_chunk_size=vocab_chunk,
     )
-    logp, entropy, s2, s2l = _reference(hidden, weight, bias, 0.8)
+    _, entropy, s2, s2l = _reference(hidden, weight, bias, 0.8)
     assert stats.entropy.shape == (2, 9) and stats.entropy.dtype == torch.float32
     torch.testing.assert_close(stats.entropy.double(), entropy, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(stats.sum_sq_probs.double(), s2, rtol=1e-4, atol=1e-7)
     torch.testing.assert_close(stats.sum_sq_probs_log_probs.double(), s2l, rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(
-        stats.target_logps.double(), logp.gather(-1, targets[..., None])[..., 0], rtol=1e-5, atol=1e-4
-    )
 
 
 def test_peaked_distribution_keeps_precision():
@@ -58,6 +53,19 @@ def test_logit_scale_and_softcap_follow_the_trainer_transform():
     _, entropy, s2, _ = _reference(hidden, weight, None, 0.7, logit_scale=0.5, softcap=10.0)
     torch.testing.assert_close(stats.entropy.double(), entropy, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(stats.sum_sq_probs.double(), s2, rtol=1e-4, atol=1e-7)
+
+
+def test_projection_runs_in_the_compute_dtype_like_trl_fused_head():
+    """Under bf16 autocast TRL's head projects in bf16: the statistics must see the same rounded logits."""
+    gen = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(6, 16, generator=gen), torch.randn(500, 16, generator=gen)
+    in_bf16 = vocab_stats(hidden, weight, compute_dtype=torch.bfloat16, vocab_chunk_size=128)
+    _, entropy_bf16, s2_bf16, _ = _reference(hidden.bfloat16().float(), weight.bfloat16().float(), None, 1.0)
+    z = (hidden.bfloat16() @ weight.bfloat16().T).double()  # rounded to bf16 like the kernel's tile
+    p = torch.softmax(z, -1)
+    torch.testing.assert_close(in_bf16.sum_sq_probs.double(), (p * p).sum(-1), rtol=1e-4, atol=1e-7)
+    in_fp32 = vocab_stats(hidden, weight, vocab_chunk_size=128)
+    assert not torch.allclose(in_bf16.sum_sq_probs, in_fp32.sum_sq_probs, rtol=1e-6, atol=0)
 
 
 def test_bad_chunk_sizes_are_rejected():
