@@ -3,7 +3,7 @@
 Both draw the same number of samples (prompts x n) of the same random Qwen2-shaped model (default hidden 256, 4
 layers) with temperature 1.0 and top-p 0.7:
 
-- batched: `opefo_trl.evaluation.TransformersBackend`, `--batch_size` sequences (several prompts x n samples) per
+- batched: `opefo_trl.eval.TransformersBackend`, `--batch_size` sequences (several prompts x n samples) per
   `generate` call, left padded, per-sample seeds;
 - loop: one `model.generate(..., do_sample=True, num_return_sequences=n)` call per prompt;
 - loop, single sequences: one call per sample (`--single`; the most naive loop).
@@ -17,26 +17,36 @@ Offline, CPU by default (GPU if visible). Prints samples/s, tokens/s and the spe
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 import time
+from dataclasses import dataclass, field
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden_size", type=int, default=256)
-    parser.add_argument("--num_layers", type=int, default=4)
-    parser.add_argument("--num_prompts", type=int, default=16)
-    parser.add_argument("--num_samples", type=int, default=4, help="samples per prompt (n)")
-    parser.add_argument("--max_new_tokens", type=int, default=64)
-    parser.add_argument("--batch_size", type=int, default=64, help="sequences per generate call (batched backend)")
-    parser.add_argument("--single", action="store_true", help="also time a one-sample-per-call loop")
-    parser.add_argument("--model_dir", default=None, help="where to build the model (default: a temp dir)")
-    return parser.parse_args(argv)
+@dataclass
+class BenchEvalArguments:
+    """Options of this benchmark (every field is a `--flag`)."""
+
+    hidden_size: int = field(default=256, metadata={"help": "Hidden size of the random Qwen2-shaped model."})
+    num_layers: int = field(default=4, metadata={"help": "Layers of the model."})
+    num_prompts: int = field(default=16, metadata={"help": "Prompts to sample."})
+    num_samples: int = field(default=4, metadata={"help": "Samples per prompt (n)."})
+    max_new_tokens: int = field(default=64, metadata={"help": "Tokens per sample."})
+    batch_size: int = field(default=64, metadata={"help": "Sequences per generate call (batched backend)."})
+    single: bool = field(default=False, metadata={"help": "Also time a one-sample-per-call loop."})
+    model_dir: str | None = field(default=None, metadata={"help": "Where to build the model (default: a temp dir)."})
+
+
+def parse_args(argv=None) -> BenchEvalArguments:
+    """The options, parsed like opefo-train's and opefo-eval's (unknown flags refused with the closest names)."""
+    from opefo_trl.cli.options import build_parser, parse_options
+
+    parser = build_parser([BenchEvalArguments], prog="bench_eval.py", description=__doc__.split("\n\n")[0])
+    (args,) = parse_options(parser, argv)
+    return args
 
 
 def main(argv=None):
@@ -44,7 +54,7 @@ def main(argv=None):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from opefo_trl.evaluation import EvaluationConfig, Problem, SampleJob, TransformersBackend, build_prompt_ids
+    from opefo_trl.eval import EvaluationConfig, Problem, SampleJob, TransformersBackend, build_prompt_ids, sample_seed
     from opefo_trl.tiny import build_tiny_model
 
     model_dir = args.model_dir or os.path.join(
@@ -67,7 +77,9 @@ def main(argv=None):
     problems = [Problem(i, f"What is {i + 3} + {2 * i + 5}?", str(3 * i + 8)) for i in range(args.num_prompts)]
     prompt_ids = build_prompt_ids(tokenizer, problems, config.prompt_template)
     jobs = [
-        SampleJob("bench", p.problem_id, s, p.fingerprint, tuple(ids))
+        SampleJob(
+            "bench", p.problem_id, s, p.fingerprint, tuple(ids), sample_seed(config.seed, "bench", p.problem_id, s)
+        )
         for p, ids in zip(problems, prompt_ids, strict=True)
         for s in range(args.num_samples)
     ]

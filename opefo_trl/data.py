@@ -41,12 +41,12 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from opefo_trl.model_io import load_local_files, render_prompts
+
 logger = logging.getLogger(__name__)
 
 ANSWER_FORMATS = ("plain", "boxed", "gsm8k")
 """How the gold answer is stored in the answer column: as-is, inside the last ``\\boxed{}``, or after ``####``."""
-
-LOCAL_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
 @dataclass(frozen=True)
@@ -335,46 +335,15 @@ def resolve_dataset_source(
     )
 
 
-def local_file_builder(data_files: Sequence[str]) -> str:
-    """The `datasets` builder (json / parquet / csv) for local files, checking that they exist and agree.
-
-    >>> local_file_builder(["/nonexistent.txt"])
-    Traceback (most recent call last):
-    ...
-    FileNotFoundError: Data file '/nonexistent.txt' does not exist.
-    """
-    if isinstance(data_files, (str, os.PathLike)):
-        data_files = [data_files]
-    if not data_files:
-        raise ValueError("data_files is empty: give at least one local JSON / JSONL / Parquet / CSV file.")
-    builders = set()
-    for path in data_files:
-        path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"Data file {path!r} does not exist.")
-        extension = os.path.splitext(path)[1].lower()
-        if extension not in LOCAL_FILE_BUILDERS:
-            raise ValueError(
-                f"Data file {path!r} has an unsupported extension {extension!r}; use one of "
-                f"{', '.join(LOCAL_FILE_BUILDERS)}."
-            )
-        builders.add(LOCAL_FILE_BUILDERS[extension])
-    if len(builders) > 1:
-        raise ValueError(f"All data files must have one format, got a mix of {sorted(builders)}: {list(data_files)}.")
-    return builders.pop()
-
-
 def _load_raw(source: DatasetPreset, *, name: str, split: str, data_files: Sequence[str] | None):
     from datasets import load_dataset
 
     if data_files:
-        builder = local_file_builder(data_files)
-        files = [os.fspath(p) for p in ([data_files] if isinstance(data_files, (str, os.PathLike)) else data_files)]
-        return load_dataset(builder, data_files={split: files}, split=split)
+        return load_local_files(data_files, split=split)
     if name == "local":
         raise ValueError("Data set 'local' needs `data_files`: the local JSON / JSONL / Parquet / CSV files to read.")
     if os.path.isfile(source.hub_id):
-        return _load_raw(source, name=name, split=split, data_files=[source.hub_id])
+        return load_local_files(source.hub_id, split=split)
     return load_dataset(source.hub_id, source.config, split=split)
 
 
@@ -428,7 +397,7 @@ def load_math_dataset(
     """
     from datasets import Dataset
 
-    from opefo_trl.templates import format_prompt
+    from opefo_trl.templates import format_prompt, get_template
 
     source = resolve_dataset_source(
         name,
@@ -438,7 +407,7 @@ def load_math_dataset(
         answer_format=answer_format,
         deduplicate=deduplicate,
     )
-    check_template(template)
+    get_template(template)  # an unknown name is a ValueError listing the valid ones, before any loading
     if max_samples is not None and max_samples < 1:
         raise ValueError(f"max_samples must be at least 1 (or None for all rows), got {max_samples}.")
     shown = name if not data_files else f"{name} ({', '.join(map(os.fspath, data_files))})"
@@ -484,35 +453,18 @@ def load_math_dataset(
     return Dataset.from_dict({"prompt": prompts, "solution": solutions})
 
 
-def check_template(template: str) -> None:
-    """Raise a ValueError naming the registered templates when ``template`` is unknown (before any loading)."""
-    from opefo_trl.templates import get_template
-
-    get_template(template)
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Context-length check
 # ----------------------------------------------------------------------------------------------------------------------
 
 
 def prompt_token_lengths(dataset, tokenizer, *, chat_template_kwargs: dict | None = None, batch_size: int = 1000):
-    """Token count of every `prompt`, rendered as GRPOTrainer renders it (chat template + generation prompt)."""
+    """Token count of every `prompt`, rendered as GRPOTrainer renders it (`opefo_trl.model_io.render_prompts`)."""
     lengths: list[int] = []
     prompts = dataset["prompt"]
     for start in range(0, len(dataset), batch_size):
-        batch = list(prompts[start : start + batch_size])
-        if batch and isinstance(batch[0], str):
-            ids = tokenizer(text=batch)["input_ids"]
-        else:
-            ids = tokenizer.apply_chat_template(
-                conversation=batch,
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-                **(chat_template_kwargs or {}),
-            )["input_ids"]
-        lengths.extend(len(x) for x in ids)
+        batch = prompts[start : start + batch_size]
+        lengths.extend(len(ids) for ids in render_prompts(tokenizer, batch, chat_template_kwargs=chat_template_kwargs))
     return lengths
 
 

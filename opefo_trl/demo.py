@@ -42,6 +42,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
+from opefo_trl.model_io import render_prompts  # noqa: E402
 from opefo_trl.synthetic import (  # noqa: E402
     build_sum_dataset,
     correct_sum_reward,
@@ -217,11 +218,9 @@ def _warm_start_key(settings: DemoSettings) -> dict:
 
 def _encode_example(tokenizer, target: int, answer: str) -> tuple[list[int], list[int]]:
     """Prompt ids (chat template with the assistant header) and completion ids (answer + eos), as TRL generates."""
-    prompt_ids = tokenizer.apply_chat_template(sum_prompt(target), add_generation_prompt=True, tokenize=True)
-    if hasattr(prompt_ids, "keys"):  # transformers 5 returns a BatchEncoding
-        prompt_ids = prompt_ids["input_ids"]
+    (prompt_ids,) = render_prompts(tokenizer, [sum_prompt(target)])
     completion_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    return list(prompt_ids), completion_ids
+    return prompt_ids, completion_ids
 
 
 def warm_start(output_dir: str, settings: DemoSettings, log=print) -> str:
@@ -315,12 +314,8 @@ def sample_policy(model, tokenizer, targets: Sequence[int], samples_per_prompt: 
     """Sample the policy on every target and measure accuracy and distinct correct answers per prompt."""
     import torch
 
-    texts = [tokenizer.apply_chat_template(sum_prompt(t), add_generation_prompt=True, tokenize=False) for t in targets]
-    previous_side, tokenizer.padding_side = tokenizer.padding_side, "left"
-    try:
-        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    finally:
-        tokenizer.padding_side = previous_side
+    prompt_ids = render_prompts(tokenizer, [sum_prompt(t) for t in targets])
+    batch = tokenizer.pad({"input_ids": prompt_ids}, padding=True, padding_side="left", return_tensors="pt")
     batch = {k: v.to(model.device) for k, v in batch.items()}
     torch.manual_seed(seed)
     was_training = model.training

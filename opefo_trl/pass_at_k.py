@@ -124,14 +124,3 @@ def majority_vote(answers: Sequence[Hashable | None], correct: Sequence[bool]) -
     top = max(votes.values())
     winner = next(a for a in answers if a is not None and votes[a] == top)
     return winner, any(bool(ok) for a, ok in zip(answers, correct, strict=True) if a == winner)
-
-
-def mean_majority_accuracy(answers_per_problem: Sequence[Sequence], correct_per_problem: Sequence[Sequence]) -> float:
-    """maj@n: the fraction of problems whose majority-vote answer is correct."""
-    if len(answers_per_problem) != len(correct_per_problem):
-        raise ValueError("answers_per_problem and correct_per_problem must have one entry per problem.")
-    if not answers_per_problem:
-        raise ValueError("No problems to average over.")
-    return float(
-        np.mean([majority_vote(a, c)[1] for a, c in zip(answers_per_problem, correct_per_problem, strict=True)])
-    )

@@ -52,6 +52,8 @@ from typing import Any
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 from math_verify.errors import TimeoutException
 
+from .model_io import completion_to_text
+
 logger = logging.getLogger(__name__)
 
 REWARD_NAME = "math_accuracy_reward"
@@ -254,7 +256,7 @@ def verify_completion(text: str, gold: Any) -> Verification:
 
     Example:
         >>> verify_completion("Answer: $\\frac{2}{4}$", "1/2")
-        Verification(score=1.0, status='correct', answer='1/2', error=None)
+        Verification(score=1.0, status='correct', answer='1/2', error=None, gold_failed=False)
         >>> verify_completion(r"\boxed{7}", r"\frac{").status
         'gold_unparseable'
     """
@@ -312,29 +314,6 @@ def extract_answer(text: str) -> str | None:
         return None
 
 
-def completion_to_text(completion: Any) -> str:
-    """The text of a TRL completion: a plain string, or the content of the last message of a conversational one.
-
-    Message content given as a list of parts (``[{"type": "text", "text": ...}]``) is joined.
-    """
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, dict) and "content" in completion:
-        completion = [completion]
-    if isinstance(completion, (list, tuple)) and completion and isinstance(completion[-1], dict):
-        content = completion[-1].get("content")
-        if isinstance(content, str):
-            return content
-        if isinstance(content, (list, tuple)):
-            return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-        if content is None:
-            return ""
-    raise TypeError(
-        "math_accuracy_reward expects each completion to be a string or a list of chat messages "
-        f"([{{'role': 'assistant', 'content': ...}}]), got {completion!r:.200}."
-    )
-
-
 def math_accuracy_reward(
     completions: list,
     solution: list,
@@ -346,7 +325,8 @@ def math_accuracy_reward(
     answer cannot be parsed or verification failed (TRL then ignores the completion).
 
     Args:
-        completions: Conversational completions (lists of messages) or plain strings.
+        completions: Conversational completions (lists of messages; the last assistant message is scored, see
+            :func:`opefo_trl.model_io.completion_to_text`) or plain strings.
         solution: Gold answers, one per completion (the data set's ``solution`` column). Lists are allowed.
         log_metric: Passed by TRL's GRPOTrainer; receives ``rewards/math_accuracy_reward/failures`` (failed
             verifications in this call) and ``rewards/math_accuracy_reward/gold_unparseable``.

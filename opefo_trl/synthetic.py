@@ -25,6 +25,8 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from opefo_trl.model_io import completion_to_text
+
 PROMPT_TEMPLATE = "Solve {target} = ? + ?"
 DEFAULT_MIN_TARGET = 6
 DEFAULT_MAX_TARGET = 25
@@ -69,18 +71,6 @@ def build_sum_dataset(targets: Sequence[int] | None = None):
     return Dataset.from_list([{"prompt": sum_prompt(t), "target": t} for t in targets])
 
 
-def completion_text(completion) -> str:
-    """The text of one completion as TRL passes it to reward functions (a string, or a list of chat messages)."""
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, list) and all(isinstance(m, dict) and "content" in m for m in completion):
-        return "".join(str(m["content"]) for m in completion)
-    raise TypeError(
-        "Expected a completion as a string or a list of chat messages ({'role': ..., 'content': ...}), "
-        f"got {type(completion).__name__}: {completion!r}"
-    )
-
-
 def parse_sum(text: str) -> tuple[int, int] | None:
     """``(a, b)`` if ``text`` is exactly ``"<a> + <b>"`` (whitespace around the parts allowed), else ``None``.
 
@@ -109,7 +99,7 @@ def correct_sum_reward(completions: Sequence, target: Sequence[int], **kwargs) -
         raise ValueError("correct_sum_reward needs the dataset's `target` column; build data with build_sum_dataset().")
     if len(target) != len(completions):
         raise ValueError(f"Got {len(completions)} completions but {len(target)} targets; they must match one to one.")
-    return [float(is_correct_sum(completion_text(c), t)) for c, t in zip(completions, target, strict=True)]
+    return [float(is_correct_sum(completion_to_text(c), t)) for c, t in zip(completions, target, strict=True)]
 
 
 @dataclass(frozen=True)

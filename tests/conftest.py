@@ -1,5 +1,6 @@
-"""Shared offline fixtures: a tiny local Qwen2-shaped model + ChatML tokenizer and a small arithmetic data set."""
+"""Shared offline fixtures: a tiny local Qwen2-shaped model + ChatML tokenizer, small arithmetic data sets and files."""
 
+import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -37,3 +38,30 @@ def length_reward(completions, **kwargs):
 @pytest.fixture(name="length_reward")
 def length_reward_fixture():
     return length_reward
+
+
+def _write_jsonl(path, rows) -> str:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def write_jsonl():
+    """``write_jsonl(path, rows) -> str``: write dicts as JSON lines, return the path."""
+    return _write_jsonl
+
+
+@pytest.fixture(scope="session")
+def problems_file(tmp_path_factory):
+    """Training data in open-r1/DAPO-Math-17k-Processed's columns: 16 `prompt` problems with their `solution`."""
+    rows = [{"prompt": f"What is {i + 2} + {3 * i + 1}?", "solution": str(4 * i + 3)} for i in range(16)]
+    return _write_jsonl(tmp_path_factory.mktemp("data") / "problems.jsonl", rows)
+
+
+@pytest.fixture(scope="session")
+def bench_file(tmp_path_factory):
+    """A local benchmark `arith.jsonl` in opefo-eval's default columns: 4 problems, i + (i + 1) with gold 2i + 1."""
+    rows = [{"problem": f"What is {i} + {i + 1}?", "answer": str(2 * i + 1)} for i in range(4)]
+    return _write_jsonl(tmp_path_factory.mktemp("bench") / "arith.jsonl", rows)

@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from opefo_trl.pass_at_k import avg_at_n, majority_vote, mean_majority_accuracy, mean_pass_at_k, pass_at_k
+from opefo_trl.pass_at_k import avg_at_n, majority_vote, mean_pass_at_k, pass_at_k
 
 
 def _brute_force_pass_at_k(n, c, k):
@@ -69,9 +69,6 @@ def test_majority_vote():
     assert majority_vote([None, None], [False, False]) == (None, False)
     with pytest.raises(ValueError, match="2 answers but 1"):
         majority_vote(["1", "2"], [True])
-    assert (
-        mean_majority_accuracy([["1", "1", "2"], ["4", "3", "3"]], [[True, True, False], [True, False, False]]) == 0.5
-    )
 
 
 def test_fractional_counts_are_rejected_not_truncated():

@@ -187,3 +187,12 @@ def test_cli_error_for_a_path_without_trainer_state(tmp_path, capsys):
     assert code == 2
     assert "No trainer_state.json" in err and "empty_run" in err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_cli_refuses_abbreviated_flags(tmp_path, capsys):
+    _write_state(tmp_path / "run", _rows(4, 2.0))
+    with pytest.raises(SystemExit) as exit_info:
+        plot_main([str(tmp_path / "run"), "--output", str(tmp_path / "x.png"), "--smooth", "0.5"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --smooth 0.5" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()

@@ -164,15 +164,6 @@ FLOW_METRICS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def problems_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "dapo_stand_in.jsonl"  # open-r1/DAPO-Math-17k-Processed's columns
-    with open(path, "w") as f:
-        for i in range(16):
-            f.write(json.dumps({"prompt": f"What is {i + 2} + {3 * i + 1}?", "solution": str(4 * i + 3)}) + "\n")
-    return str(path)
-
-
 @pytest.mark.parametrize("method", METHODS)
 def test_7b_recipe_trains_two_steps_on_cpu(method, tiny_model_path, problems_file, tmp_path):
     recipe = recipe_path("qwen2.5-math-7b", method)
@@ -191,7 +182,7 @@ def test_7b_recipe_trains_two_steps_on_cpu(method, tiny_model_path, problems_fil
         ]
     else:  # one update per rollout of 2 x 2 completions
         sizes = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
-    main(
+    exit_status = main(
         [
             "--config",
             recipe,
@@ -216,6 +207,7 @@ def test_7b_recipe_trains_two_steps_on_cpu(method, tiny_model_path, problems_fil
             *sizes,
         ]
     )
+    assert exit_status == 0
     with open(os.path.join(out, "metrics.jsonl")) as f:
         steps = [m for m in map(json.loads, f) if "loss" in m]
     assert [m["step"] for m in steps] == [1, 2]

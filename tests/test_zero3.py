@@ -29,7 +29,7 @@ deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 from opefo_trl.cli.train import main
 
-main(sys.argv[1:])
+sys.exit(main(sys.argv[1:]))
 """
 
 REWARDS = """

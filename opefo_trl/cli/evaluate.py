@@ -1,10 +1,12 @@
 """`opefo-eval`: sample a model on math benchmarks and report avg@n, maj@n and pass@k (also `python -m
 opefo_trl.cli.evaluate`).
 
-Every field of `opefo_trl.evaluation.EvaluationConfig` is a flag (`--help` lists them); `--config eval.yaml` reads
-them from a YAML file, command-line flags override it, and unknown keys are errors. Wrong input (unknown benchmark,
-missing column, missing model path, pass@k with k > n) is reported before the model is loaded. Re-running the same
-command resumes an interrupted run from `OUTPUT_DIR/samples.jsonl`.
+Every field of `opefo_trl.eval.EvaluationConfig` is a flag (`--help` lists them); `--config eval.yaml` reads them
+from a YAML file and command-line flags override it, parsed as `opefo-train` parses its options
+(`opefo_trl.cli.options`): an unknown or misspelt key is an error naming the closest options. Wrong input (unknown
+benchmark, missing column, missing model path, pass@k with k > n) is reported before the model is loaded, as
+`opefo-eval: error: ...` with exit status 2. Re-running the same command resumes an interrupted run from
+`OUTPUT_DIR/samples.jsonl`.
 
 Examples:
     # The paper's protocol (n=32 on AIME24/AIME25/AMC23, n=1 elsewhere; temperature 1.0, top-p 0.7):
@@ -26,34 +28,32 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from opefo_trl.cli.options import INPUT_ERRORS, build_parser, parse_options, report_error
+
 PROG = "opefo-eval"
 
 
 def make_parser():
-    from trl import TrlParser
+    """The parser over `EvaluationConfig`: see `opefo_trl.cli.options`."""
+    from opefo_trl.eval import EvaluationConfig
 
-    from opefo_trl.evaluation import EvaluationConfig
-
-    return TrlParser(dataclass_types=[EvaluationConfig], prog=PROG, description=__doc__.split("\n\n")[0])
+    return build_parser([EvaluationConfig], prog=PROG, description=__doc__.split("\n\n")[0])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse options, evaluate, print the markdown table; return the exit status (2 for bad input)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    parser = make_parser()
     try:
-        (config,) = parser.parse_args_and_config(args=argv, fail_with_unknown_args=True)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
+        (config,) = parse_options(make_parser(), argv)
+    except INPUT_ERRORS as err:
+        return report_error(PROG, err)
 
-    from opefo_trl.evaluation import evaluate
+    from opefo_trl.eval import evaluate
 
     try:
         results = evaluate(config)
-    except (ValueError, FileNotFoundError, ImportError) as err:
-        print(f"{PROG}: error: {type(err).__name__}: {err}", file=sys.stderr)
-        return 2
+    except INPUT_ERRORS as err:
+        return report_error(PROG, err)
     print(results["markdown"])
     print(f"\nResults written to {config.output_dir} (results.json, results.md, samples.jsonl).")
     return 0

@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="opefo-plot",
         description="Plot token entropy, reward, OPEFO's lambda* and the entropy flows from trainer_state.json files.",
+        allow_abbrev=False,  # as opefo-train and opefo-eval: `--smooth` is an error, not `--smoothing`
     )
     parser.add_argument("runs", nargs="+", metavar="RUN", help="run dir, checkpoint dir or trainer_state.json")
     parser.add_argument("--output", "-o", required=True, help="PNG file to write")

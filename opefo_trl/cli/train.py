@@ -8,10 +8,11 @@ are the fields of three dataclasses, all listed by `--help`:
 - `trl.ModelConfig`: model path or hub id, dtype, attention implementation, LoRA / quantisation;
 - `opefo_trl.OPEFOConfig`: every `GRPOConfig` / `TrainingArguments` option plus `method` and its settings.
 
-A misspelt or unknown key, in the recipe or on the command line, is an error that names it (TRL's own scripts
-ignore unknown recipe keys). Everything that can be checked without the model's weights is checked before they are
-loaded: the options, the data files and columns, the reward functions, the checkpoint to resume from, and that every
-prompt plus `max_completion_length` fits the model's context.
+Parsing is shared with `opefo-eval` (`opefo_trl.cli.options`): a misspelt or unknown key, in the recipe or on the
+command line, is an error that names it and the closest options. Everything that can be checked without the model's
+weights is checked before they are loaded: the options, the data files and columns, the reward functions, the
+checkpoint to resume from, and that every prompt plus `max_completion_length` fits the model's context. Such errors
+are printed as `opefo-train: error: ...` with exit status 2.
 
 Examples:
     opefo-train --config recipes/qwen2.5-math-7b/opefo.yaml
@@ -23,7 +24,6 @@ Examples:
     >>> main(["--config", "recipes/qwen2.5-math-7b/opefo.yaml", "--max_steps", "10"])  # doctest: +SKIP
 """
 
-import difflib
 import importlib
 import json
 import logging
@@ -33,13 +33,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from opefo_trl.cli.options import INPUT_ERRORS, build_parser, parse_options, report_error
+
 logger = logging.getLogger("opefo_trl.cli.train")  # not __name__: "__main__" under `python -m`
 
 DEFAULT_REWARD = "math_accuracy_reward"
 METRICS_FILE = "metrics.jsonl"
 METRICS_FILE_PER_RANK = "metrics.rank{rank}.jsonl"
-CONFIG_FLAG = "--config"
-RESERVED_RECIPE_KEYS = ("env",)  # handled by TrlParser: environment variables set before parsing
+PROG = "opefo-train"
 
 
 @dataclass
@@ -115,7 +116,8 @@ class TrainScriptArguments:
         default=None,
         metadata={
             "help": "The model's context in tokens, which prompt + max_completion_length must fit; default: the "
-            "model config's max_position_embeddings (4096 for Qwen2.5-Math-7B)."
+            "model config's max_position_embeddings (4096 for Qwen2.5-Math-7B). With use_vllm, capped by "
+            "vllm_max_model_length."
         },
     )
     drop_overlong_prompts: bool = field(
@@ -158,14 +160,14 @@ class TrainScriptArguments:
 
 
 def make_parser():
-    """The `TrlParser` over (`TrainScriptArguments`, `OPEFOConfig`, `ModelConfig`); abbreviations are not accepted."""
-    from trl import ModelConfig, TrlParser
+    """The parser over (`TrainScriptArguments`, `OPEFOConfig`, `ModelConfig`): see `opefo_trl.cli.options`."""
+    from trl import ModelConfig
 
     from opefo_trl.config import OPEFOConfig
 
-    parser = TrlParser(
+    return build_parser(
         (TrainScriptArguments, OPEFOConfig, ModelConfig),
-        prog="opefo-train",
+        prog=PROG,
         description=(
             "Train a math reasoner with OPEFO or a baseline (method: opefo, grpo, par, clip_cov, kl_cov). "
             "Options come from a recipe YAML given with `--config recipe.yaml` (keys are the option names below, "
@@ -173,81 +175,7 @@ def make_parser():
             "the recipe. Unknown keys are errors."
         ),
         epilog="Recipes for the OPEFO paper's comparison: recipes/README.md.",
-        allow_abbrev=False,
     )
-    # Listed for --help only: TrlParser takes `--config PATH` out of the arguments before parsing.
-    parser.add_argument(
-        CONFIG_FLAG,
-        metavar="RECIPE_YAML",
-        help="Recipe YAML whose keys set the options below (command-line options override them).",
-    )
-    return parser
-
-
-def _known_options(parser) -> set[str]:
-    return {action.dest for action in parser._actions if action.dest not in ("help", "config")}
-
-
-def _unknown_key_error(kind: str, unknown: Sequence[str], known: set[str], where: str) -> ValueError:
-    lines = []
-    for key in unknown:
-        close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.6)
-        hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
-        lines.append(f"{key!r}{hint}")
-    return ValueError(
-        f"Unknown {kind} {where}: {'; '.join(lines)}. `opefo-train --help` lists every option; remove or fix "
-        f"{'it' if len(unknown) == 1 else 'them'}."
-    )
-
-
-def _split_config_flag(argv: list[str]) -> tuple[str | None, list[str]]:
-    """Take `--config PATH` (or `--config=PATH`) out of argv; check that the recipe exists."""
-    config_path, rest, i = None, [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == CONFIG_FLAG or arg.startswith(CONFIG_FLAG + "="):
-            if config_path is not None:
-                raise ValueError("`--config` was given twice; pass one recipe file.")
-            if arg == CONFIG_FLAG:
-                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                    raise ValueError("`--config` needs the path of a recipe YAML file, e.g. `--config recipe.yaml`.")
-                config_path = argv[i + 1]
-                i += 2
-            else:
-                config_path = arg.split("=", 1)[1]
-                i += 1
-            continue
-        rest.append(arg)
-        i += 1
-    if config_path is not None and not os.path.isfile(config_path):
-        raise FileNotFoundError(
-            f"Recipe file {config_path!r} does not exist (working directory: {os.getcwd()}). Recipes for the paper's "
-            "comparison are under recipes/ in the opefo-trl repository."
-        )
-    return config_path, rest
-
-
-def read_recipe(config_path: str, known: set[str]) -> dict:
-    """Load a recipe YAML and check that it is a mapping whose keys are all options (or `env`)."""
-    import yaml
-
-    with open(config_path) as f:
-        try:
-            recipe = yaml.safe_load(f)
-        except yaml.YAMLError as err:
-            raise ValueError(f"Recipe file {config_path!r} is not valid YAML: {err}") from err
-    if recipe is None:
-        return {}
-    if not isinstance(recipe, dict):
-        raise ValueError(
-            f"Recipe file {config_path!r} must be a YAML mapping of option: value, got {type(recipe).__name__}."
-        )
-    unknown = [key for key in recipe if key not in known and key not in RESERVED_RECIPE_KEYS]
-    if unknown:
-        raise _unknown_key_error("key(s)", unknown, known, f"in recipe {config_path!r}")
-    if "env" in recipe and not isinstance(recipe["env"], dict):
-        raise ValueError(f"`env` in recipe {config_path!r} must be a mapping of environment variable: value.")
-    return recipe
 
 
 def _normalise_resume(value):
@@ -268,30 +196,7 @@ def parse_args(argv: Sequence[str] | None = None):
 
     Raises ValueError / FileNotFoundError with the offending key, file or value; loads no model weights.
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = make_parser()
-    known = _known_options(parser)
-    config_path, cli_args = _split_config_flag(argv)
-    # Unknown flags first: the dataclasses' own checks (run while parsing) would otherwise report something else.
-    flags = parser._option_string_actions
-    unknown = [arg.split("=", 1)[0] for arg in cli_args if arg.startswith("--") and arg.split("=", 1)[0] not in flags]
-    if unknown:
-        raise _unknown_key_error("option(s)", [flag[2:] for flag in unknown], known, "on the command line")
-    if config_path is not None:
-        read_recipe(config_path, known)
-        cli_args = [CONFIG_FLAG, config_path, *cli_args]
-    # The extra namespace holds the help-only `config` entry.
-    script_args, training_args, model_args, _config, remaining = parser.parse_args_and_config(
-        cli_args, return_remaining_strings=True, separate_remaining_strings=False
-    )
-    if remaining:
-        unknown = [arg.split("=", 1)[0].lstrip("-") for arg in remaining if arg.startswith("-")]
-        if unknown:
-            raise _unknown_key_error("option(s)", unknown, known, "on the command line")
-        raise ValueError(
-            f"Unexpected value(s) on the command line: {remaining}. Options take the form `--name value`; a list "
-            "option takes its values after one flag (`--reward_funcs a b`)."
-        )
+    script_args, training_args, model_args = parse_options(make_parser(), argv)
     training_args.resume_from_checkpoint = _normalise_resume(training_args.resume_from_checkpoint)
     validate_args(script_args, training_args, model_args)
     return script_args, training_args, model_args
@@ -329,7 +234,9 @@ def validate_args(script_args, training_args, model_args) -> None:
     """Cross-option checks that need no model weights (TRL / OPEFOConfig check their own fields on construction)."""
     from transformers.trainer_utils import get_last_checkpoint
 
-    from opefo_trl.data import check_template, local_file_builder, resolve_dataset_source
+    from opefo_trl.data import resolve_dataset_source
+    from opefo_trl.model_io import local_file_builder
+    from opefo_trl.templates import get_template
 
     if not model_args.model_name_or_path:
         raise ValueError("model_name_or_path is not set: give a hub id or a local model directory.")
@@ -345,7 +252,7 @@ def validate_args(script_args, training_args, model_args) -> None:
         local_file_builder(script_args.dataset_files)
     elif script_args.dataset_name == "local":
         raise ValueError("dataset_name 'local' needs dataset_files: the local JSON / JSONL / Parquet / CSV files.")
-    check_template(script_args.prompt_template)
+    get_template(script_args.prompt_template)
     resolve_reward_funcs(script_args.reward_funcs)
     if training_args.reward_weights is not None and len(training_args.reward_weights) != len(script_args.reward_funcs):
         raise ValueError(
@@ -377,34 +284,22 @@ def validate_args(script_args, training_args, model_args) -> None:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _model_context_length(model_config) -> int | None:
-    for config in (model_config, getattr(model_config, "text_config", None)):
-        value = getattr(config, "max_position_embeddings", None) if config is not None else None
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 def context_length_for(script_args, training_args, model_args) -> int:
-    """The context prompts must fit: `context_length`, else the model's max_position_embeddings (capped by vLLM's)."""
-    if script_args.context_length is not None:
-        context = script_args.context_length
-    else:
-        from transformers import AutoConfig
+    """The context prompts must fit: `context_length`, else the model's max_position_embeddings; capped by vLLM's."""
+    from opefo_trl.model_io import model_context_length
 
-        model_config = AutoConfig.from_pretrained(
-            model_args.model_name_or_path,
-            revision=model_args.model_revision,
-            trust_remote_code=training_args.trust_remote_code,
+    context = model_context_length(
+        model_args.model_name_or_path,
+        context_length=script_args.context_length,
+        max_model_len=training_args.vllm_max_model_length if training_args.use_vllm else None,
+        revision=model_args.model_revision,
+        trust_remote_code=training_args.trust_remote_code,
+    )
+    if context is None:
+        raise ValueError(
+            f"The config of {model_args.model_name_or_path!r} has no max_position_embeddings; set context_length "
+            "to the model's context in tokens."
         )
-        context = _model_context_length(model_config)
-        if context is None:
-            raise ValueError(
-                f"The config of {model_args.model_name_or_path!r} has no max_position_embeddings; set context_length "
-                "to the model's context in tokens."
-            )
-    if training_args.use_vllm and training_args.vllm_max_model_length is not None:
-        context = min(context, training_args.vllm_max_model_length)
     return context
 
 
@@ -486,14 +381,9 @@ def metrics_jsonl_callback(mode: str, output_dir: str):
     return MetricsJsonlCallback()
 
 
-def train(script_args, training_args, model_args):
-    """Build the data, rewards and `OPEFOTrainer` from parsed options, train (resuming if asked), save; return it."""
-    import transformers
-    from packaging.version import Version
+def prepare_inputs(script_args, training_args, model_args) -> tuple:
+    """The checked training data and the reward functions: the last input checks, made before any weights load."""
     from transformers import AutoTokenizer
-    from trl import get_peft_config, get_quantization_config
-
-    from opefo_trl.trainer import OPEFOTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(
         model_args.model_name_or_path,
@@ -501,7 +391,22 @@ def train(script_args, training_args, model_args):
         trust_remote_code=training_args.trust_remote_code,
     )
     train_dataset = build_train_dataset(script_args, training_args, model_args, tokenizer)
-    reward_funcs = resolve_reward_funcs(script_args.reward_funcs)
+    return train_dataset, resolve_reward_funcs(script_args.reward_funcs)
+
+
+def train(script_args, training_args, model_args, train_dataset=None, reward_funcs=None):
+    """Build the data, rewards and `OPEFOTrainer` from parsed options, train (resuming if asked), save; return it.
+
+    ``train_dataset`` and ``reward_funcs`` are what :func:`prepare_inputs` returns; they are built here if not given.
+    """
+    import transformers
+    from packaging.version import Version
+    from trl import get_peft_config, get_quantization_config
+
+    from opefo_trl.trainer import OPEFOTrainer
+
+    if train_dataset is None or reward_funcs is None:
+        train_dataset, reward_funcs = prepare_inputs(script_args, training_args, model_args)
 
     model_init_kwargs = dict(
         revision=model_args.model_revision,
@@ -544,12 +449,21 @@ def _show_package_logs() -> None:
         package_logger.setLevel(logging.INFO if main_process else logging.WARNING)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Console entry point of `opefo-train` (also `python -m opefo_trl.cli.train`)."""
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point of `opefo-train` (also `python -m opefo_trl.cli.train`); returns the exit status.
+
+    Bad input (an option, recipe, data file or column, reward function or checkpoint), found before the model
+    weights load, is printed as `opefo-train: error: ...` with exit status 2, as opefo-eval reports it.
+    """
     _show_package_logs()
-    script_args, training_args, model_args = parse_args(argv)
-    train(script_args, training_args, model_args)
+    try:
+        script_args, training_args, model_args = parse_args(argv)
+        train_dataset, reward_funcs = prepare_inputs(script_args, training_args, model_args)
+    except INPUT_ERRORS as err:
+        return report_error(PROG, err)
+    train(script_args, training_args, model_args, train_dataset, reward_funcs)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

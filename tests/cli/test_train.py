@@ -28,16 +28,6 @@ def digit_overlap_reward(completions, solution, **kwargs):
 
 
 @pytest.fixture
-def problems_file(tmp_path):
-    path = tmp_path / "problems.jsonl"
-    with open(path, "w") as f:
-        for i in range(16):
-            a, b = i + 2, 3 * i + 1
-            f.write(json.dumps({"prompt": f"What is {a} + {b}?", "solution": str(a + b)}) + "\n")
-    return str(path)
-
-
-@pytest.fixture
 def reward_module(tmp_path, monkeypatch):
     """A reward function importable by dotted path (`opefo_cli_test_rewards.digit_overlap_reward`)."""
     (tmp_path / "opefo_cli_test_rewards.py").write_text(REWARD_MODULE)
@@ -161,11 +151,12 @@ def test_misspelt_choice_in_recipe_is_an_error(tmp_path):
         parse_args(["--config", str(recipe), "--use_cpu", "true"])
 
 
-def test_nonexistent_recipe_is_a_clear_error(no_model_loading):
-    with pytest.raises(FileNotFoundError, match=r"Recipe file 'recipes/no-such-model/opefo.yaml' does not exist"):
-        main(["--config", "recipes/no-such-model/opefo.yaml"])
-    with pytest.raises(ValueError, match="`--config` needs the path"):
-        main(["--config"])
+def test_nonexistent_recipe_is_a_clear_error(no_model_loading, capsys):
+    assert main(["--config", "recipes/no-such-model/opefo.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "opefo-train: error: Recipe file 'recipes/no-such-model/opefo.yaml' does not exist" in err
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        parse_args(["--config", "recipes/no-such-model/opefo.yaml"])
 
 
 @pytest.mark.parametrize("value, expected", [("true", True), ("false", None), ("checkpoint", "path")])
@@ -190,7 +181,7 @@ def test_single_value_for_a_list_option_in_recipe(tmp_path, problems_file):
 def test_non_mapping_recipe_is_a_clear_error(tmp_path):
     recipe = tmp_path / "list.yaml"
     recipe.write_text("- method: opefo\n")
-    with pytest.raises(ValueError, match="must be a YAML mapping"):
+    with pytest.raises(ValueError, match="must contain a YAML mapping"):
         parse_args(["--config", str(recipe)])
 
 
@@ -199,32 +190,33 @@ def test_non_mapping_recipe_is_a_clear_error(tmp_path):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def test_missing_dataset_column_fails_before_model_loading(tiny_model_path, tmp_path, no_model_loading):
+def test_missing_dataset_column_fails_before_model_loading(tiny_model_path, tmp_path, no_model_loading, capsys):
     data_file = tmp_path / "q.jsonl"
     data_file.write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
     argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, str(data_file), str(tmp_path / "out"))]
-    with pytest.raises(ValueError) as err:
-        main(argv)
-    message = str(err.value)
-    assert "problem column 'prompt' is missing" in message and "Available columns: question, answer" in message
+    assert main(argv) == 2
+    message = capsys.readouterr().err
+    assert "opefo-train: error: The problem column 'prompt' is missing" in message
+    assert "Available columns: question, answer" in message
     # Naming the right columns fixes it (and reaches model loading, which the fixture refuses).
     with pytest.raises(no_model_loading):
         main(argv + ["--dataset_name", "local", "--problem_column", "question", "--answer_column", "answer"])
 
 
 def test_prompt_longer_than_context_fails_before_model_loading(
-    tiny_model_path, problems_file, tmp_path, no_model_loading
+    tiny_model_path, problems_file, tmp_path, no_model_loading, capsys
 ):
     # The tiny model's max_position_embeddings is 1024: 1000 completion tokens leave too little room for any prompt.
     argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "out"))]
-    with pytest.raises(ValueError) as err:
-        main(argv + ["--max_completion_length", "1000"])
-    message = str(err.value)
+    assert main(argv + ["--max_completion_length", "1000"]) == 2
+    message = capsys.readouterr().err
     assert "16 of 16 prompts are longer than 24 tokens" in message
     assert "context of 1024 tokens (max_position_embeddings)" in message
-    # An explicit context length is honoured the same way.
-    with pytest.raises(ValueError, match=r"context of 30 tokens"):
-        main(argv + ["--context_length", "30"])
+    # An explicit context length is honoured the same way, and so is vLLM's max_model_length.
+    assert main(argv + ["--context_length", "30"]) == 2
+    assert "context of 30 tokens" in capsys.readouterr().err
+    assert main(argv + ["--use_vllm", "true", "--vllm_max_model_length", "40", "--max_completion_length", "20"]) == 2
+    assert "context of 40 tokens" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -241,11 +233,14 @@ def test_prompt_longer_than_context_fails_before_model_loading(
     ],
 )
 def test_bad_options_fail_before_model_loading(
-    extra, error, message, tiny_model_path, problems_file, tmp_path, no_model_loading
+    extra, error, message, tiny_model_path, problems_file, tmp_path, no_model_loading, capsys
 ):
     argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "out")), *extra]
     with pytest.raises(error, match=message):
-        main(argv)
+        parse_args(argv)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "opefo-train: error: " in err and message in err
 
 
 def test_missing_model_is_a_clear_error(problems_file, tmp_path):
@@ -260,15 +255,18 @@ def test_missing_model_is_a_clear_error(problems_file, tmp_path):
 
 def test_trains_with_both_rewards_and_writes_metrics(tiny_model_path, problems_file, tmp_path, reward_module):
     out = str(tmp_path / "out")
-    main(
-        [
-            "--config",
-            RECIPE,
-            *_cpu_overrides(tiny_model_path, problems_file, out, max_steps=2),
-            "--reward_funcs",
-            "math_accuracy_reward",
-            "opefo_cli_test_rewards.digit_overlap_reward",
-        ]
+    assert (
+        main(
+            [
+                "--config",
+                RECIPE,
+                *_cpu_overrides(tiny_model_path, problems_file, out, max_steps=2),
+                "--reward_funcs",
+                "math_accuracy_reward",
+                "opefo_cli_test_rewards.digit_overlap_reward",
+            ]
+        )
+        == 0
     )
     steps = [m for m in _metrics(out) if "reward" in m]
     assert [m["step"] for m in steps] == [1, 2]
@@ -292,13 +290,16 @@ def test_resume_restores_optimizer_and_method_state(tiny_model_path, problems_fi
     """PAR's controller coefficient changes every step; a resumed run must continue from the saved value."""
     reward = ["--reward_funcs", "math_accuracy_reward", "opefo_cli_test_rewards.digit_overlap_reward"]
     first = str(tmp_path / "first")
-    main(
-        [
-            "--config",
-            PAR_RECIPE,
-            *_cpu_overrides(tiny_model_path, problems_file, first, max_steps=3, save_steps=1),
-            *reward,
-        ]
+    assert (
+        main(
+            [
+                "--config",
+                PAR_RECIPE,
+                *_cpu_overrides(tiny_model_path, problems_file, first, max_steps=3, save_steps=1),
+                *reward,
+            ]
+        )
+        == 0
     )
     original = {m["step"]: m for m in _metrics(first) if "par/coef" in m}
     coefs = [original[s]["par/coef"] for s in (1, 2, 3)]
@@ -307,15 +308,18 @@ def test_resume_restores_optimizer_and_method_state(tiny_model_path, problems_fi
 
     # Resume from checkpoint-2 by path into a fresh output_dir: step 3 is replayed exactly.
     resumed_dir = str(tmp_path / "resumed")
-    main(
-        [
-            "--config",
-            PAR_RECIPE,
-            *_cpu_overrides(tiny_model_path, problems_file, resumed_dir, max_steps=3),
-            *reward,
-            "--resume_from_checkpoint",
-            os.path.join(first, "checkpoint-2"),
-        ]
+    assert (
+        main(
+            [
+                "--config",
+                PAR_RECIPE,
+                *_cpu_overrides(tiny_model_path, problems_file, resumed_dir, max_steps=3),
+                *reward,
+                "--resume_from_checkpoint",
+                os.path.join(first, "checkpoint-2"),
+            ]
+        )
+        == 0
     )
     resumed = [m for m in _metrics(resumed_dir) if "par/coef" in m]
     assert [m["step"] for m in resumed] == [3]
@@ -323,15 +327,18 @@ def test_resume_restores_optimizer_and_method_state(tiny_model_path, problems_fi
         assert resumed[0][key] == pytest.approx(original[3][key], rel=1e-5, abs=1e-8), key
 
     # `--resume_from_checkpoint true` picks the last checkpoint of output_dir (checkpoint-3) and continues at step 4.
-    main(
-        [
-            "--config",
-            PAR_RECIPE,
-            *_cpu_overrides(tiny_model_path, problems_file, first, max_steps=4, save_steps=1),
-            *reward,
-            "--resume_from_checkpoint",
-            "true",
-        ]
+    assert (
+        main(
+            [
+                "--config",
+                PAR_RECIPE,
+                *_cpu_overrides(tiny_model_path, problems_file, first, max_steps=4, save_steps=1),
+                *reward,
+                "--resume_from_checkpoint",
+                "true",
+            ]
+        )
+        == 0
     )
     continued = [m for m in _metrics(first) if "par/coef" in m and m["step"] == 4]
     assert len(continued) == 1
@@ -340,14 +347,17 @@ def test_resume_restores_optimizer_and_method_state(tiny_model_path, problems_fi
         assert json.load(f)["method"] == "par"
 
     # Resuming an older checkpoint into the same output_dir replays step 4: metrics.jsonl keeps each step once.
-    main(
-        [
-            "--config",
-            PAR_RECIPE,
-            *_cpu_overrides(tiny_model_path, problems_file, first, max_steps=4, save_steps=1),
-            *reward,
-            "--resume_from_checkpoint",
-            os.path.join(first, "checkpoint-3"),
-        ]
+    assert (
+        main(
+            [
+                "--config",
+                PAR_RECIPE,
+                *_cpu_overrides(tiny_model_path, problems_file, first, max_steps=4, save_steps=1),
+                *reward,
+                "--resume_from_checkpoint",
+                os.path.join(first, "checkpoint-3"),
+            ]
+        )
+        == 0
     )
     assert [m["step"] for m in _metrics(first) if "par/coef" in m] == [1, 2, 3, 4]

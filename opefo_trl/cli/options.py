@@ -1,0 +1,169 @@
+"""Option parsing shared by ``opefo-train`` and ``opefo-eval``: one behaviour for recipes, flags and bad input.
+
+Options are the fields of dataclasses, parsed by TRL's ``TrlParser`` (`--flag value` with the field's name, TRL's
+snake_case; ``--config recipe.yaml`` sets them from a YAML mapping, the command line overrides it). On top of TRL:
+
+- ``--config=PATH`` works like ``--config PATH``, and a missing recipe file is named before anything is parsed;
+- abbreviations are refused (argparse would read ``--num_generation`` as ``--num_generations``);
+- an unknown recipe key or command-line flag, which TRL refuses with a bare list, is reported with the closest
+  option names (:func:`unknown_options_error`). TRL checks for them after building the dataclasses, so a value a
+  dataclass refuses is reported first.
+
+transformers' parser also accepts each ``--snake_case`` flag spelt ``--kebab-case``; ``--help`` lists both.
+
+Example:
+    >>> from dataclasses import dataclass
+    >>> @dataclass
+    ... class Options:
+    ...     learning_rate: float = 1e-6
+    >>> parser = build_parser([Options], prog="demo")
+    >>> parse_options(parser, ["--learning_rat", "2e-6"])  # doctest: +NORMALIZE_WHITESPACE
+    Traceback (most recent call last):
+    ...
+    ValueError: Unknown option(s) on the command line: 'learning_rat' (did you mean 'learning_rate'?).
+    `demo --help` lists every option; remove or fix it.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import os
+import re
+import sys
+from collections.abc import Iterable, Sequence
+
+CONFIG_FLAG = "--config"
+INPUT_ERRORS = (ValueError, FileNotFoundError, ImportError)
+"""What bad input raises (options, files, columns, missing extras): reported by :func:`report_error`, no traceback."""
+
+# What TrlParser.parse_args_and_config(fail_with_unknown_args=True) raises (trl/scripts/utils.py, TRL 1.16): recipe
+# keys no dataclass has, as ["--key", "value", ...], and command-line strings argparse did not consume (raised by
+# transformers' HfArgumentParser.parse_args_into_dataclasses).
+_UNKNOWN_RECIPE_KEYS = re.compile(r"^Unknown arguments from config file: (\[.*\])\. Please remove them", re.DOTALL)
+_UNUSED_COMMAND_LINE = re.compile(
+    r"^Some specified arguments are not used by the HfArgumentParser: (\[.*\])$", re.DOTALL
+)
+
+
+def build_parser(
+    dataclass_types: Iterable[type], *, prog: str, description: str | None = None, epilog: str | None = None
+):
+    """A ``TrlParser`` over ``dataclass_types`` that refuses abbreviations and lists ``--config`` in ``--help``."""
+    from trl import TrlParser
+
+    parser = TrlParser(list(dataclass_types), prog=prog, description=description, epilog=epilog, allow_abbrev=False)
+    # Listed for --help only: TrlParser takes `--config PATH` out of the arguments before parsing them.
+    parser.add_argument(
+        CONFIG_FLAG,
+        metavar="RECIPE_YAML",
+        help="YAML mapping of option: value (plus an optional `env:` mapping of environment variables); "
+        "command-line options override it.",
+    )
+    return parser
+
+
+def option_names(parser) -> list[str]:
+    """The option names of the parser's dataclasses (recipe keys and flags without ``--``)."""
+    return sorted({f.name for cls in parser.dataclass_types for f in dataclasses.fields(cls) if f.init})
+
+
+def _normalise_config_flag(argv: list[str]) -> list[str]:
+    """``--config=PATH`` as ``--config PATH`` (the only form TrlParser reads); checks there is one existing recipe."""
+    normalised, config_path = [], None
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == CONFIG_FLAG or arg.startswith(CONFIG_FLAG + "="):
+            if config_path is not None:
+                raise ValueError("`--config` was given twice; pass one recipe file.")
+            if arg == CONFIG_FLAG:
+                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                    raise ValueError("`--config` needs the path of a recipe YAML file, e.g. `--config recipe.yaml`.")
+                config_path, i = argv[i + 1], i + 2
+            else:
+                config_path, i = arg.split("=", 1)[1], i + 1
+            normalised += [CONFIG_FLAG, config_path]
+            continue
+        normalised.append(arg)
+        i += 1
+    if config_path is not None and not os.path.isfile(config_path):
+        raise FileNotFoundError(f"Recipe file {config_path!r} does not exist (working directory: {os.getcwd()}).")
+    return normalised
+
+
+def _recipe_path(argv: Sequence[str]) -> str | None:
+    return argv[argv.index(CONFIG_FLAG) + 1] if CONFIG_FLAG in argv else None
+
+
+def _did_you_mean(names: Sequence[str], known: Sequence[str]) -> str:
+    described = []
+    for name in names:
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+        hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+        described.append(f"{name!r}{hint}")
+    return "; ".join(described)
+
+
+def unknown_options_error(err: ValueError, known: Sequence[str], *, prog: str, recipe: str | None) -> ValueError | None:
+    """TRL's unknown-option ``ValueError`` rewritten with did-you-mean hints; None for any other error.
+
+    Example:
+        >>> trl_error = ValueError("Unknown arguments from config file: ['--num_generation', '4']. Please remove "
+        ...                        "them, add them to the dataclass, or set `fail_with_unknown_args=False`.")
+        >>> error = unknown_options_error(trl_error, ["num_generations"], prog="opefo-train", recipe="r.yaml")
+        >>> print(error)  # doctest: +NORMALIZE_WHITESPACE
+        Unknown key(s) in recipe 'r.yaml': 'num_generation' (did you mean 'num_generations'?).
+        `opefo-train --help` lists every option; remove or fix it.
+    """
+    message = str(err)
+    recipe_match, command_line_match = _UNKNOWN_RECIPE_KEYS.match(message), _UNUSED_COMMAND_LINE.match(message)
+    if recipe_match:
+        strings = ast.literal_eval(recipe_match.group(1))
+        names, where, kind = [key[2:] for key in strings[0::2]], f"in recipe {recipe!r}", "key(s)"
+    elif command_line_match:
+        strings = ast.literal_eval(command_line_match.group(1))
+        names = [s.split("=", 1)[0].lstrip("-") for s in strings if s.startswith("--")]
+        if not names:
+            return ValueError(
+                f"Unexpected value(s) on the command line: {strings}. Options take the form `--name value`; a list "
+                "option takes its values after one flag (`--name a b`)."
+            )
+        where, kind = "on the command line", "option(s)"
+    else:
+        return None
+    return ValueError(
+        f"Unknown {kind} {where}: {_did_you_mean(names, known)}. `{prog} --help` lists every option; remove or fix "
+        f"{'it' if len(names) == 1 else 'them'}."
+    )
+
+
+def parse_options(parser, argv: Sequence[str] | None = None) -> tuple:
+    """Parse a recipe plus command-line flags into one instance per dataclass of ``parser`` (:func:`build_parser`).
+
+    Raises:
+        ValueError: an unknown or misspelt recipe key or flag (with the closest option names), a recipe that is not
+            a YAML mapping, or a value a dataclass refuses.
+        FileNotFoundError: the recipe file does not exist.
+    """
+    import yaml
+
+    argv = _normalise_config_flag(list(sys.argv[1:] if argv is None else argv))
+    recipe = _recipe_path(argv)
+    try:
+        parsed = parser.parse_args_and_config(argv, fail_with_unknown_args=True)
+    except yaml.YAMLError as err:
+        raise ValueError(f"Recipe file {recipe!r} is not valid YAML: {err}") from err
+    except ValueError as err:
+        rewritten = unknown_options_error(err, option_names(parser), prog=parser.prog, recipe=recipe)
+        if rewritten is not None:
+            raise rewritten from None
+        raise
+    return tuple(parsed[: len(parser.dataclass_types)])  # drop the namespace holding the help-only `config`
+
+
+def report_error(prog: str, err: Exception) -> int:
+    """Print ``PROG: error: MESSAGE`` to stderr, as argparse reports bad input, and return exit status 2."""
+    print(f"{prog}: error: {err}", file=sys.stderr)
+    return 2

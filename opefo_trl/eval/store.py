@@ -1,0 +1,149 @@
+"""The resumable sample store (``samples.jsonl`` + ``run_config.json``) and the samples a run still has to draw.
+
+Every sample has its own seed, a hash of ``(seed, benchmark, problem_id, sample_index)``: what a run draws for a
+sample does not depend on how many samples of its problem were stored before an interruption, nor on what else is
+generated with it (see :mod:`opefo_trl.eval` for what that does and does not make reproducible).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .benchmarks import Problem, ResolvedBenchmark
+
+logger = logging.getLogger(__name__)
+
+SAMPLES_FILE = "samples.jsonl"
+RUN_CONFIG_FILE = "run_config.json"
+
+
+def sample_seed(seed: int, benchmark: str, problem_id: int, sample_index: int) -> int:
+    """The seed of one sample: a function of these four values only (a 63-bit hash, valid for torch and vLLM).
+
+    >>> sample_seed(0, "aime24", 3, 5) == sample_seed(0, "aime24", 3, 5) != sample_seed(0, "aime24", 3, 6)
+    True
+    """
+    digest = hashlib.sha256(f"{seed}/{benchmark}/{problem_id}/{sample_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+@dataclass(frozen=True)
+class SampleJob:
+    """One sample to draw: which one, the prompt's token ids and the sample's own seed (:func:`sample_seed`)."""
+
+    benchmark: str
+    problem_id: int
+    sample_index: int
+    fingerprint: str
+    prompt_ids: tuple[int, ...]
+    seed: int
+
+
+class SampleStore:
+    """Append-only JSONL of samples keyed by (benchmark, problem_id, sample_index), plus the run settings.
+
+    Example:
+        >>> store = SampleStore("runs/eval")                     # doctest: +SKIP
+        >>> store.check_settings({"temperature": 1.0, ...})      # doctest: +SKIP
+    """
+
+    def __init__(self, output_dir: str, overwrite: bool = False):
+        self.output_dir = output_dir
+        self.samples_path = os.path.join(output_dir, SAMPLES_FILE)
+        self.settings_path = os.path.join(output_dir, RUN_CONFIG_FILE)
+        os.makedirs(output_dir, exist_ok=True)
+        if overwrite:
+            for path in (self.samples_path, self.settings_path):
+                if os.path.exists(path):
+                    os.remove(path)
+        self.samples: dict[tuple[str, int, int], dict] = {}
+        if os.path.exists(self.samples_path):
+            self._read()
+
+    def _read(self) -> None:
+        with open(self.samples_path) as f:
+            lines = f.readlines()
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                if number == len(lines):  # a run killed mid-write leaves a partial last line: drop it
+                    logger.warning("Dropping a truncated last line of %s (interrupted write).", self.samples_path)
+                    self._rewrite_without_last_line(lines)
+                    break
+                raise ValueError(
+                    f"{self.samples_path}, line {number}, is not valid JSON; fix or remove the file."
+                ) from None
+            self.samples[(record["benchmark"], record["problem_id"], record["sample_index"])] = record
+
+    def _rewrite_without_last_line(self, lines: list[str]) -> None:
+        tmp = self.samples_path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(lines[:-1])
+        shutil.move(tmp, self.samples_path)
+
+    def check_settings(self, settings: dict[str, Any]) -> None:
+        """Store ``settings`` on the first run; on a re-run refuse to mix samples drawn with different ones."""
+        if os.path.exists(self.settings_path):
+            with open(self.settings_path) as f:
+                stored = json.load(f)
+            if self.samples:
+                changed = {k: (stored.get(k), v) for k, v in settings.items() if stored.get(k) != v}
+                if changed:
+                    details = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
+                    raise ValueError(
+                        f"{self.output_dir} holds samples drawn with other settings ({details}). Use another "
+                        "output_dir, or overwrite=True (--overwrite) to discard them."
+                    )
+        with open(self.settings_path, "w") as f:
+            json.dump(settings, f, indent=2)
+
+    def check_problems(self, benchmark: str, problems: Sequence[Problem]) -> None:
+        """Refuse stored samples of a problem whose question or gold answer changed since they were drawn."""
+        fingerprints = {p.problem_id: p.fingerprint for p in problems}
+        for (name, problem_id, _), record in self.samples.items():
+            if name == benchmark and problem_id in fingerprints and record["fingerprint"] != fingerprints[problem_id]:
+                raise ValueError(
+                    f"Stored samples of {benchmark!r} problem {problem_id} were drawn for a different question or "
+                    f"answer (the data changed). Use another output_dir or overwrite=True."
+                )
+
+    def append(self, records: Iterable[dict]) -> None:
+        """Append records and flush them to disk."""
+        with open(self.samples_path, "a") as f:
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+                self.samples[(record["benchmark"], record["problem_id"], record["sample_index"])] = record
+            f.flush()
+            os.fsync(f.fileno())
+
+    def get(self, benchmark: str, problem_id: int, sample_index: int) -> dict | None:
+        return self.samples.get((benchmark, problem_id, sample_index))
+
+
+def pending_jobs(
+    store: SampleStore,
+    benchmark: ResolvedBenchmark,
+    problems: Sequence[Problem],
+    prompt_ids: Sequence[Sequence[int]],
+    seed: int,
+) -> list[SampleJob]:
+    """The samples of ``benchmark`` not yet in ``store``, in (problem, sample) order, each with its own seed."""
+    jobs = []
+    for problem, ids in zip(problems, prompt_ids, strict=True):
+        for index in range(benchmark.num_samples):
+            if store.get(benchmark.name, problem.problem_id, index) is None:
+                job_seed = sample_seed(seed, benchmark.name, problem.problem_id, index)
+                jobs.append(
+                    SampleJob(benchmark.name, problem.problem_id, index, problem.fingerprint, tuple(ids), job_seed)
+                )
+    return jobs

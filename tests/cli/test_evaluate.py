@@ -1,0 +1,47 @@
+"""`opefo-eval` through `main(argv)`: a run on the tiny model, the same run from a YAML recipe, bad input."""
+
+from opefo_trl.cli.evaluate import main
+
+
+def test_cli_runs_and_reports_bad_input(tiny_model_path, bench_file, tmp_path, capsys):
+    args = [
+        "--model_name_or_path",
+        tiny_model_path,
+        "--benchmarks",
+        bench_file,
+        "--num_samples",
+        "2",
+        "--max_new_tokens",
+        "3",
+        "--max_problems",
+        "2",
+        "--backend",
+        "transformers",
+        "--no_progress",
+        "--output_dir",
+        str(tmp_path),
+    ]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "| arith | 2 | 2 |" in out and (tmp_path / "results.md").exists()
+
+    assert main(args[:3] + ["aime2024"] + args[4:]) == 2
+    assert "opefo-eval: error: Unknown benchmark 'aime2024'" in capsys.readouterr().err
+    assert main(args + ["--pass_at_k", "4"]) == 2
+    assert "opefo-eval: error: pass@4 was requested" in capsys.readouterr().err
+    assert main(args + ["--top_p", "0"]) == 2
+    assert "opefo-eval: error: top_p must be in (0, 1]" in capsys.readouterr().err
+
+    # The same options from a YAML recipe: same settings, so the finished run is reused, not resampled.
+    recipe = tmp_path / "eval.yaml"
+    recipe.write_text(
+        f"model_name_or_path: {tiny_model_path}\nbenchmarks: [{bench_file}]\nnum_samples: 2\nmax_new_tokens: 3\n"
+        f"max_problems: 2\nbackend: transformers\nprogress: false\noutput_dir: {tmp_path}\n"
+    )
+    written = (tmp_path / "samples.jsonl").read_text()
+    assert main(["--config", str(recipe)]) == 0
+    assert "| arith | 2 | 2 |" in capsys.readouterr().out
+    assert (tmp_path / "samples.jsonl").read_text() == written
+    # Kebab-case spellings are transformers' aliases of the same options.
+    assert main(["--config", str(recipe), "--max-problems", "2"]) == 0
+    assert (tmp_path / "samples.jsonl").read_text() == written

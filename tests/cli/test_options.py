@@ -1,0 +1,114 @@
+"""opefo-train and opefo-eval parse options alike (opefo_trl.cli.options): recipes, flags, typos, --help."""
+
+import os
+
+import pytest
+
+from opefo_trl.cli import evaluate, train
+from opefo_trl.cli.options import build_parser, parse_options, unknown_options_error
+
+RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "qwen2.5-math-7b", "opefo.yaml")
+
+
+@pytest.fixture(params=["opefo-train", "opefo-eval"])
+def command(request, tmp_path):
+    """(prog, main, a valid recipe's text, valid flags): both commands get the same bad input."""
+    if request.param == "opefo-train":
+        return "opefo-train", train.main, open(RECIPE).read(), ["--use_cpu", "true"]
+    return "opefo-eval", evaluate.main, "model_name_or_path: m\nbenchmarks: [aime24]\n", ["--num_samples", "4"]
+
+
+def test_unknown_recipe_key_is_refused_with_a_hint(command, tmp_path, capsys):
+    prog, main, recipe_text, flags = command
+    recipe = tmp_path / "typo.yaml"
+    recipe.write_text(recipe_text + "\ntemprature: 0.5\nmax_new_tokns: 10\n")
+    assert main(["--config", str(recipe), *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"{prog}: error: Unknown key(s) in recipe '{recipe}': 'temprature' (did you mean " in err
+    assert "'temperature'" in err.split(";")[0] and "'max_new_tokns'" in err
+    assert f"`{prog} --help` lists every option; remove or fix them." in err
+
+
+def test_unknown_flag_is_refused_with_a_hint(command, tmp_path, capsys):
+    prog, main, recipe_text, flags = command
+    recipe = tmp_path / "ok.yaml"
+    recipe.write_text(recipe_text)
+    for typo in (["--temprature", "0.5"], ["--temprature=0.5"]):
+        assert main(["--config", str(recipe), *flags, *typo]) == 2
+        err = capsys.readouterr().err
+        assert f"{prog}: error: Unknown option(s) on the command line: 'temprature' (did you mean " in err
+        assert "'temperature'" in err and f"`{prog} --help` lists every option; remove or fix it." in err
+
+
+def test_abbreviations_are_refused(command, tmp_path, capsys):
+    prog, main, recipe_text, flags = command
+    recipe = tmp_path / "ok.yaml"
+    recipe.write_text(recipe_text)
+    # argparse would silently read `--temp` as `--temperature`.
+    assert main(["--config", str(recipe), *flags, "--temp", "0.5"]) == 2
+    assert "Unknown option(s) on the command line: 'temp'" in capsys.readouterr().err
+
+
+def test_help_lists_the_config_flag_and_snake_case_options(command, capsys):
+    prog, main, _, _ = command
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: {prog}") and "--config RECIPE_YAML" in out
+    assert "--temperature TEMPERATURE" in out and "--model_name_or_path MODEL_NAME_OR_PATH" in out
+
+
+def test_missing_or_malformed_recipe(command, tmp_path, capsys):
+    prog, main, _, _ = command
+    assert main(["--config", str(tmp_path / "none.yaml")]) == 2
+    assert f"{prog}: error: Recipe file '{tmp_path / 'none.yaml'}' does not exist" in capsys.readouterr().err
+    assert main(["--config"]) == 2
+    assert "`--config` needs the path of a recipe YAML file" in capsys.readouterr().err
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- temperature: 0.5\n")
+    assert main(["--config", str(listed)]) == 2
+    assert "must contain a YAML mapping" in capsys.readouterr().err
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("temperature: [0.5\n")
+    assert main([f"--config={broken}"]) == 2
+    assert f"Recipe file '{broken}' is not valid YAML" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The helper itself
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _parser():
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class Options:
+        learning_rate: float = 1e-6
+        reward_funcs: list[str] = field(default_factory=lambda: ["a"])
+
+    return build_parser([Options], prog="tool")
+
+
+def test_recipe_then_command_line_and_config_equals_form(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("learning_rate: 3.0e-6\nreward_funcs: [x, y]\nenv:\n  OPEFO_TEST_OPTIONS_ENV: set\n")
+    (options,) = parse_options(_parser(), ["--config", str(recipe)])
+    assert (options.learning_rate, options.reward_funcs) == (3e-6, ["x", "y"])
+    assert os.environ.pop("OPEFO_TEST_OPTIONS_ENV") == "set"  # TRL's `env:` mapping still works
+    (options,) = parse_options(_parser(), [f"--config={recipe}", "--learning_rate", "1e-5"])
+    assert options.learning_rate == 1e-5  # the command line overrides the recipe
+    with pytest.raises(ValueError, match="`--config` was given twice"):
+        parse_options(_parser(), ["--config", str(recipe), f"--config={recipe}"])
+
+
+def test_stray_values_are_explained():
+    with pytest.raises(ValueError, match=r"Unexpected value\(s\) on the command line: \['z'\]. Options take the form"):
+        parse_options(_parser(), ["--learning_rate", "1e-5", "z"])
+
+
+def test_other_errors_are_left_alone():
+    assert (
+        unknown_options_error(ValueError("learning_rate must be > 0"), ["learning_rate"], prog="t", recipe=None) is None
+    )

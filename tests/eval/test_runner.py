@@ -1,0 +1,200 @@
+"""opefo_trl.eval.evaluate end to end: outputs, metrics, resuming, per-sample seeds (tiny model, CPU, fp32)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from opefo_trl.eval import GeneratedSample, TransformersBackend, evaluate, resolve_model_source, sample_seed
+from opefo_trl.pass_at_k import pass_at_k
+from opefo_trl.rewards import extract_answer, score_completion
+
+NUM_PROBLEMS = 4  # rows of the bench_file fixture: problem i asks i + (i + 1)
+
+
+class CannedBackend:
+    """Answers problem i correctly in its first i samples (c = min(i, n)), with a wrong answer otherwise."""
+
+    def __init__(self, problems_by_id):
+        self.problems = problems_by_id
+
+    def run(self, jobs):
+        samples = []
+        for job in jobs:
+            gold = self.problems[job.problem_id]
+            text = f"Reasoning...\nAnswer: {gold}" if job.sample_index < job.problem_id else r"\boxed{-1}"
+            samples.append(GeneratedSample(text, 5, "stop"))
+        yield list(jobs), samples
+
+
+def test_end_to_end_metrics_with_a_canned_backend(tiny_model_path, bench_file, tmp_path, eval_config, no_model_loading):
+    golds = {i: str(2 * i + 1) for i in range(NUM_PROBLEMS)}
+    config = eval_config(tiny_model_path, bench_file, tmp_path, num_samples=3, pass_at_k=[1, 3])
+    results = evaluate(config, backend_factory=lambda source, cfg, tok: CannedBackend(golds))
+    metrics = results["benchmarks"]["arith"]["metrics"]
+    c = [min(i, 3) for i in range(NUM_PROBLEMS)]  # 0, 1, 2, 3 correct of 3
+    assert [row["c"] for row in results["benchmarks"]["arith"]["problems"]] == c
+    assert metrics["avg@n"] == pytest.approx(np.mean([ci / 3 for ci in c]))
+    assert metrics["pass@3"] == pytest.approx(0.75)
+    assert metrics["maj@n"] == pytest.approx(0.5)  # problems with c >= 2 of 3
+    assert results["average"]["avg@n"] == pytest.approx(metrics["avg@n"])
+    assert "| arith | 4 | 3 | 50.0 | 50.0 | 50.0 | 75.0 |" in results["markdown"]
+    assert "| average |  |  | 50.0 | 50.0 | 50.0 | 75.0 |" in results["markdown"]
+
+
+@pytest.fixture(scope="module")
+def full_run(tiny_model_path, bench_file, tmp_path_factory, eval_config):
+    out = tmp_path_factory.mktemp("full")
+    results = evaluate(eval_config(tiny_model_path, bench_file, out))
+    return out, results
+
+
+def test_end_to_end_outputs_have_the_right_shape(full_run, read_samples):
+    out, results = full_run
+    samples, records = read_samples(out)
+    assert len(records) == len(samples) == NUM_PROBLEMS * 3
+    assert set(samples) == {("arith", p, i) for p in range(NUM_PROBLEMS) for i in range(3)}
+    assert all(r["finish_reason"] in ("stop", "length") and 1 <= r["num_tokens"] <= 6 for r in records)
+    assert [r["seed"] for r in records] == [
+        sample_seed(0, "arith", r["problem_id"], r["sample_index"]) for r in records
+    ]
+
+    with open(out / "results.json") as f:
+        saved = json.load(f)
+    assert saved["benchmarks"].keys() == {"arith"}
+    rows = saved["benchmarks"]["arith"]["problems"]
+    assert [row["problem_id"] for row in rows] == list(range(NUM_PROBLEMS))
+    assert all(row["n"] == 3 and len(row["answers"]) == len(row["scores"]) == 3 for row in rows)
+    assert set(saved["benchmarks"]["arith"]["metrics"]) >= {"avg@n", "maj@n", "pass@1", "pass@2", "n"}
+    markdown = (out / "results.md").read_text()
+    assert markdown.startswith("| benchmark | problems | n | avg@n | maj@n | pass@1 | pass@2 |")
+    assert "| arith | 4 | 3 |" in markdown and "| average |" in markdown
+
+
+def test_metrics_recomputed_from_stored_samples_match(full_run, read_samples):
+    out, results = full_run
+    samples, _ = read_samples(out)
+    golds = [str(2 * i + 1) for i in range(NUM_PROBLEMS)]
+    counts = [sum(score_completion(samples[("arith", p, i)], golds[p]) == 1.0 for i in range(3)) for p in range(4)]
+    metrics = results["benchmarks"]["arith"]["metrics"]
+    assert metrics["avg@n"] == pytest.approx(np.mean([c / 3 for c in counts]))
+    assert metrics["pass@2"] == pytest.approx(np.mean([pass_at_k(3, c, 2) for c in counts]))
+    answers = [row["answers"] for row in results["benchmarks"]["arith"]["problems"]]
+    assert answers == [[extract_answer(samples[("arith", p, i)]) for i in range(3)] for p in range(4)]
+
+
+def test_complete_rerun_does_not_load_the_model(full_run, tiny_model_path, bench_file, eval_config, no_model_loading):
+    out, results = full_run
+    again = evaluate(eval_config(tiny_model_path, bench_file, out))
+    assert again["benchmarks"] == results["benchmarks"]
+
+
+def test_interrupted_run_resumes_with_the_same_seeds_and_samples(
+    full_run, tiny_model_path, bench_file, tmp_path, eval_config, read_samples, monkeypatch
+):
+    out_full, results_full = full_run
+    expected, expected_records = read_samples(out_full)
+    real_generate = TransformersBackend.generate
+    calls = []
+
+    def crash_on_second_batch(self, jobs):
+        calls.append([(job.problem_id, job.sample_index) for job in jobs])
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # as if the process were killed after the first batch was written
+        return real_generate(self, jobs)
+
+    monkeypatch.setattr(TransformersBackend, "generate", crash_on_second_batch)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(eval_config(tiny_model_path, bench_file, tmp_path))
+    partial, _ = read_samples(tmp_path)
+    # batch_size=4 with 3 samples per problem: problem 1 was cut after its first sample.
+    assert sorted(partial) == [("arith", 0, 0), ("arith", 0, 1), ("arith", 0, 2), ("arith", 1, 0)]
+    with open(tmp_path / "samples.jsonl", "a") as f:
+        f.write('{"benchmark": "arith", "problem_')  # a write cut short by the kill
+
+    calls.clear()
+
+    def count_batches(self, jobs):
+        calls.append([(job.problem_id, job.sample_index) for job in jobs])
+        return real_generate(self, jobs)
+
+    monkeypatch.setattr(TransformersBackend, "generate", count_batches)
+    resumed = evaluate(eval_config(tiny_model_path, bench_file, tmp_path))
+    samples, records = read_samples(tmp_path)
+    # Only the 8 missing samples were drawn, none twice: problem 1 from its second sample on.
+    assert [pair for batch in calls for pair in batch] == [(1, 1), (1, 2)] + [(p, i) for p in (2, 3) for i in range(3)]
+    assert len(records) == NUM_PROBLEMS * 3
+    seeds = {(r["problem_id"], r["sample_index"]): r["seed"] for r in records}
+    assert seeds == {(r["problem_id"], r["sample_index"]): r["seed"] for r in expected_records}
+    assert samples == expected  # fp32 on CPU: the same tokens despite other batch compositions
+    assert resumed["benchmarks"] == results_full["benchmarks"]
+
+
+def test_run_limited_to_some_problems_then_completed_matches(
+    full_run, tiny_model_path, bench_file, tmp_path, eval_config, read_samples
+):
+    out_full, results_full = full_run
+    expected, _ = read_samples(out_full)
+    # 2 problems x 3 samples = 6 jobs: batches of 4 + 2, so the completion's batches are composed differently.
+    evaluate(eval_config(tiny_model_path, bench_file, tmp_path, max_problems=2))
+    completed = evaluate(eval_config(tiny_model_path, bench_file, tmp_path))
+    samples, _ = read_samples(tmp_path)
+    assert samples == expected
+    assert completed["benchmarks"] == results_full["benchmarks"]
+
+
+def test_fewer_samples_reuse_the_stored_ones(
+    full_run, tiny_model_path, bench_file, eval_config, read_samples, no_model_loading
+):
+    out, _ = full_run
+    samples, _ = read_samples(out)
+    results = evaluate(eval_config(tiny_model_path, bench_file, out, num_samples=2))
+    rows = results["benchmarks"]["arith"]["problems"]
+    assert all(row["n"] == 2 for row in rows)
+    assert [row["answers"] for row in rows] == [
+        [extract_answer(samples[("arith", p, i)]) for i in range(2)] for p in range(NUM_PROBLEMS)
+    ]
+
+
+def test_resuming_with_other_settings_is_refused(full_run, tiny_model_path, bench_file, eval_config, no_model_loading):
+    out, _ = full_run
+    with pytest.raises(ValueError, match=r"other settings \(temperature: 1.0 -> 0.5\).*overwrite"):
+        evaluate(eval_config(tiny_model_path, bench_file, out, temperature=0.5))
+
+
+def test_lora_adapter_is_detected_and_applied(tiny_model_path, bench_file, tmp_path, eval_config, read_samples):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    lora = LoraConfig(r=4, lora_alpha=64, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    adapter_dir = tmp_path / "adapter"
+    get_peft_model(model, lora).save_pretrained(adapter_dir)
+    source = resolve_model_source(str(adapter_dir))
+    assert source.adapter_path == str(adapter_dir) and source.model_path == tiny_model_path
+
+    options = dict(max_problems=2, num_samples=2)
+    base = evaluate(eval_config(tiny_model_path, bench_file, tmp_path / "base", **options))
+    adapted = evaluate(eval_config(str(adapter_dir), bench_file, tmp_path / "adapted", **options))
+    base_samples, _ = read_samples(tmp_path / "base")
+    adapted_samples, _ = read_samples(tmp_path / "adapted")
+    assert base_samples.keys() == adapted_samples.keys()
+    assert base_samples != adapted_samples  # same seeds, different weights
+    assert adapted["config"]["model_name_or_path"] == str(adapter_dir)
+    assert base["benchmarks"]["arith"]["metrics"]["n"] == 2
+
+
+def test_custom_columns_of_a_local_file(tiny_model_path, tmp_path, eval_config, write_jsonl):
+    bench = write_jsonl(tmp_path / "qa.jsonl", [{"question": "1+1?", "solution": "2"}])
+    config = eval_config(
+        tiny_model_path,
+        bench,
+        tmp_path / "out",
+        question_column="question",
+        answer_column="solution",
+        num_samples=1,
+        max_new_tokens=2,
+    )
+    results = evaluate(config)
+    (row,) = results["benchmarks"]["qa"]["problems"]
+    assert (row["question"], row["gold"], row["n"]) == ("1+1?", "2", 1)
