@@ -1,41 +1,98 @@
 """Step time and peak memory of OPEFOTrainer's methods against TRL's strict on-policy GRPOTrainer, in one process.
 
     python benchmarks/bench_step.py                 # tiny Qwen2 shape, Qwen vocabulary (151,936), 128-token completions
-    python benchmarks/bench_step.py --steps 3 --repeats 1 --vocab-size 4096   # a quick look
+    python benchmarks/bench_step.py --steps 3 --repeats 1 --vocab_size 4096   # a quick look
+    python benchmarks/bench_step.py --configs grpo_strict opefo opefo_param --output_json bench.json
 
 Each configuration is built from the same saved model and trained for `--steps` optimizer steps (the first is a
 warm-up and not timed); configurations are interleaved over `--repeats` rounds so drift hits all alike. Reported
 per configuration: median seconds per optimizer step (generation included, as a user experiences it), the same
-without the time spent sampling completions (TRL's `_generate`, identical code for every method), peak
-memory above the level at the start of the run (CUDA allocator peak on GPU; sampled malloc heap on CPU), the number
-of backbone passes per optimizer step other than single-token decoding (prefill + scoring), and each as a ratio to
-the GRPOTrainer run of the same batch layout.
-Then the `full` estimate's vocabulary pass is timed against a plain logsumexp over the same hidden states and head.
+without the time spent sampling completions (TRL's `_generate`, identical code for every method), peak memory above
+the level at the start of the run (CUDA allocator peak on GPU; sampled malloc heap on CPU), the number of backbone
+passes per optimizer step other than single-token decoding (prefill + scoring), and each as a ratio to the
+GRPOTrainer run of the same batch layout. Then the `full` estimate's vocabulary pass is timed against a plain
+logsumexp over the same hidden states and head. On a GPU the training runs in bf16 mixed precision over float32
+weights (the recipes' setting, and what the `param` estimate needs).
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import ctypes.util
+import json
 import os
 import statistics
 import sys
 import tempfile
 import threading
 import time
+import warnings
+from dataclasses import asdict, dataclass, field
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from transformers import TrainerCallback  # noqa: E402
+from transformers import PrinterCallback, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from opefo_trl import OPEFOConfig, OPEFOTrainer  # noqa: E402
+from opefo_trl.cli.options import INPUT_ERRORS, build_parser, parse_options, report_error  # noqa: E402
 from opefo_trl.tiny import build_tiny_model  # noqa: E402
 from opefo_trl.vocab_stats import vocab_stats  # noqa: E402
+
+#: name -> (trainer class, OPEFOConfig fields); the first is the baseline every ratio is taken against.
+CONFIGURATIONS = {
+    "grpo_strict": (GRPOTrainer, {}),
+    "opefo": (OPEFOTrainer, dict(method="opefo")),
+    "opefo_full": (OPEFOTrainer, dict(method="opefo", entropy_flow_estimate="full")),
+    "opefo_param": (OPEFOTrainer, dict(method="opefo", entropy_flow_estimate="param")),
+    "grpo_diagnostics": (OPEFOTrainer, dict(method="grpo")),
+    "clip_cov": (OPEFOTrainer, dict(method="clip_cov")),
+    "kl_cov": (OPEFOTrainer, dict(method="kl_cov")),
+    "par": (OPEFOTrainer, dict(method="par")),
+}
+BASELINE = "grpo_strict"
+
+
+@dataclass
+class BenchSettings:
+    """What `bench_step.py` measures (the model's shape, the batch, the configurations)."""
+
+    vocab_size: int = field(default=151_936, metadata={"help": "Vocabulary of the random model (Qwen's: 151,936)."})
+    hidden_size: int = field(default=64, metadata={"help": "Hidden size of the random Qwen2 model."})
+    num_layers: int = field(default=2, metadata={"help": "Decoder layers of the random model."})
+    num_heads: int = field(default=4, metadata={"help": "Attention heads."})
+    num_key_value_heads: int | None = field(default=None, metadata={"help": "Key/value heads (default heads / 2)."})
+    intermediate_size: int | None = field(default=None, metadata={"help": "MLP size (default 2 x hidden)."})
+    completion_length: int = field(default=128, metadata={"help": "Tokens per completion (max_completion_length)."})
+    completions: int = field(default=8, metadata={"help": "Completions per optimizer step (per device)."})
+    num_generations: int = field(default=4, metadata={"help": "Completions per prompt (GRPO group size)."})
+    steps: int = field(default=3, metadata={"help": "Optimizer steps per run (the first is not timed)."})
+    repeats: int = field(default=1, metadata={"help": "Interleaved rounds over the configurations."})
+    accumulation: list[int] = field(
+        default_factory=lambda: [1, 2], metadata={"help": "gradient_accumulation_steps values to measure."}
+    )
+    configs: list[str] = field(
+        default_factory=lambda: list(CONFIGURATIONS),
+        metadata={"help": f"Configurations to run, among {list(CONFIGURATIONS)} ({BASELINE} always runs)."},
+    )
+    vocab_pass_hidden_size: int = field(default=896, metadata={"help": "Hidden size of the vocabulary-pass timing."})
+    vocab_pass_tokens: int = field(default=512, metadata={"help": "Tokens of the vocabulary-pass timing."})
+    output_json: str | None = field(default=None, metadata={"help": "Also write the results to this JSON file."})
+
+    def __post_init__(self):
+        unknown = [c for c in self.configs if c not in CONFIGURATIONS]
+        if unknown:
+            raise ValueError(f"Unknown configuration(s) {unknown}; choose among {list(CONFIGURATIONS)}.")
+        if BASELINE not in self.configs:
+            self.configs = [BASELINE, *self.configs]
+        for name in ("steps", "repeats", "completions", "completion_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if any(self.completions % a for a in self.accumulation):
+            raise ValueError(f"completions ({self.completions}) must be divisible by every accumulation value.")
 
 
 def length_reward(completions, **kwargs):
@@ -45,19 +102,8 @@ def length_reward(completions, **kwargs):
 class _MallInfo2(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_size_t)
-        for name in (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        )
-    ]
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
+    ] + [("keepcost", ctypes.c_size_t)]
 
 
 def _heap_in_use() -> int:
@@ -108,52 +154,50 @@ class StepTimer(TrainerCallback):
         self.times, self.begin = [], None
 
     def on_step_begin(self, args, state, control, **kwargs):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         self.begin = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         self.times.append(time.perf_counter() - self.begin)
 
 
-def configurations(accumulation: int):
-    """(name, trainer class, extra config) per run; the first is the baseline of the group."""
-    return [
-        ("GRPOTrainer (strict)", GRPOTrainer, {}),
-        ("opefo", OPEFOTrainer, dict(method="opefo")),
-        ("opefo, full estimate", OPEFOTrainer, dict(method="opefo", entropy_flow_estimate="full")),
-        ("grpo + diagnostics", OPEFOTrainer, dict(method="grpo")),
-        ("clip_cov", OPEFOTrainer, dict(method="clip_cov")),
-        ("kl_cov", OPEFOTrainer, dict(method="kl_cov")),
-        ("par", OPEFOTrainer, dict(method="par")),
-    ]
-
-
-def run(model_path, dataset, trainer_class, extra, args_ns, accumulation, output_dir):
-    settings = dict(
+def training_settings(settings: BenchSettings, accumulation: int, output_dir: str) -> dict:
+    """The GRPOConfig fields every configuration shares (bf16 autocast over fp32 weights on a GPU)."""
+    cuda = torch.cuda.is_available()
+    return dict(
         output_dir=output_dir,
-        per_device_train_batch_size=args_ns.completions // accumulation,
+        per_device_train_batch_size=settings.completions // accumulation,
         gradient_accumulation_steps=accumulation,
-        num_generations=args_ns.num_generations,
-        max_completion_length=args_ns.completion_length,
-        max_steps=args_ns.steps,
+        num_generations=settings.num_generations,
+        max_completion_length=settings.completion_length,
+        max_steps=settings.steps,
         logging_steps=1,
-        bf16=torch.cuda.is_available(),
-        use_cpu=not torch.cuda.is_available(),
+        bf16=cuda,
+        use_cpu=not cuda,
+        model_init_kwargs={"dtype": "float32"},
         report_to="none",
         save_strategy="no",
         seed=0,
         disable_tqdm=True,
         gradient_checkpointing=False,
     )
-    config_class = OPEFOConfig if trainer_class is OPEFOTrainer else GRPOConfig
-    import warnings
 
+
+def run(model_path, dataset, name, settings: BenchSettings, accumulation: int, output_dir: str) -> dict:
+    """Train one configuration; return its median step time, time without sampling, peak memory and passes."""
+    trainer_class, extra = CONFIGURATIONS[name]
+    config_class = OPEFOConfig if trainer_class is OPEFOTrainer else GRPOConfig
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = config_class(**settings, **extra)
+        config = config_class(**training_settings(settings, accumulation, output_dir), **extra)
         timer = StepTimer()
         trainer = trainer_class(
             model=model_path, reward_funcs=length_reward, args=config, train_dataset=dataset, callbacks=[timer]
         )
+    trainer.remove_callback(PrinterCallback)  # disable_tqdm prints every log dict otherwise
     forwards = [0]
     core = trainer.accelerator.unwrap_model(trainer.model)
     core.base_model.register_forward_hook(lambda *a: forwards.__setitem__(0, forwards[0] + 1))
@@ -175,34 +219,67 @@ def run(model_path, dataset, trainer_class, extra, args_ns, accumulation, output
         try:
             return generate(*args, **kwargs)
         finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             sampling_times.append(time.perf_counter() - start)
 
     trainer._generate = timed_generate
-    with PeakMemory() as memory:
-        trainer.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with PeakMemory() as memory:
+            trainer.train()
     timed = timer.times[1:] or timer.times
     sampling = sampling_times[1:] or sampling_times
-    scoring_forwards = (forwards[0] - generation_calls[0]) / args_ns.steps
-    return (
-        statistics.median(timed),
-        memory.bytes,
-        scoring_forwards,
-        statistics.median(timed) - statistics.median(sampling),
+    return dict(
+        seconds_per_step=statistics.median(timed),
+        seconds_without_sampling=statistics.median(timed) - statistics.median(sampling),
+        peak_bytes=memory.bytes,
+        backbone_passes_per_step=(forwards[0] - generation_calls[0]) / settings.steps,
     )
 
 
-def bench_vocab_pass(hidden_size: int, vocab: int, tokens: int, repeats: int = 5):
+def compare(model_path, dataset, settings: BenchSettings, work: str) -> dict:
+    """Every configuration at every accumulation, interleaved; medians and ratios to the baseline."""
+    results = {}
+    for accumulation in settings.accumulation:
+        runs = {name: [] for name in settings.configs}
+        # One discarded run first: lazy initialisation and first-touch allocations would otherwise land on the baseline.
+        run(model_path, dataset, BASELINE, settings, accumulation, os.path.join(work, "out"))
+        for _ in range(settings.repeats):
+            for name in settings.configs:
+                runs[name].append(run(model_path, dataset, name, settings, accumulation, os.path.join(work, "out")))
+        medians = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+        base = medians[BASELINE]
+        for m in medians.values():
+            m["time_ratio"] = m["seconds_per_step"] / base["seconds_per_step"]
+            m["time_ratio_without_sampling"] = m["seconds_without_sampling"] / base["seconds_without_sampling"]
+            m["memory_ratio"] = m["peak_bytes"] / max(base["peak_bytes"], 1)
+            m["extra_backbone_passes"] = m["backbone_passes_per_step"] - base["backbone_passes_per_step"]
+        results[f"accumulation_{accumulation}"] = medians
+    return results
+
+
+def markdown_table(medians: dict) -> str:
+    lines = [
+        "| configuration | s / step | time ratio | s / step without sampling | ratio without sampling | peak MiB | "
+        "memory ratio | backbone passes / step besides decoding (vs GRPO) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, m in medians.items():
+        lines.append(
+            f"| {name} | {m['seconds_per_step']:.3f} | {m['time_ratio']:.3f} | {m['seconds_without_sampling']:.3f} | "
+            f"{m['time_ratio_without_sampling']:.3f} | {m['peak_bytes'] / 2**20:.0f} | {m['memory_ratio']:.3f} | "
+            f"{m['backbone_passes_per_step']:.0f} ({m['extra_backbone_passes']:+.0f}) |"
+        )
+    return "\n".join(lines)
+
+
+def bench_vocab_pass(hidden_size: int, vocab: int, tokens: int, repeats: int = 5) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     gen = torch.Generator(device="cpu").manual_seed(0)
     hidden = torch.randn(tokens, hidden_size, generator=gen).to(device, dtype)
     weight = (torch.randn(vocab, hidden_size, generator=gen) * 0.02).to(device, dtype)
-
-    def plain():
-        return torch.logsumexp((hidden @ weight.T).float(), -1)
-
-    def stats():
-        return vocab_stats(hidden, weight)
 
     def timed(fn):
         fn()
@@ -217,77 +294,59 @@ def bench_vocab_pass(hidden_size: int, vocab: int, tokens: int, repeats: int = 5
             best = min(best, time.perf_counter() - start)
         return best
 
-    return timed(plain), timed(stats)
+    plain = timed(lambda: torch.logsumexp((hidden @ weight.T).float(), -1))
+    stats = timed(lambda: vocab_stats(hidden, weight))
+    return dict(logsumexp_seconds=plain, vocab_stats_seconds=stats, ratio=stats / plain)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vocab-size", type=int, default=151_936)
-    parser.add_argument("--hidden-size", type=int, default=64)
-    parser.add_argument("--completion-length", type=int, default=128)
-    parser.add_argument("--completions", type=int, default=8, help="completions per optimizer step (per device)")
-    parser.add_argument("--num-generations", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run (the first is not timed)")
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--accumulation", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--vocab-pass-hidden-size", type=int, default=896, help="Qwen2.5-0.5B's hidden size")
-    parser.add_argument("--vocab-pass-tokens", type=int, default=512)
-    args = parser.parse_args(argv)
-
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    work = tempfile.mkdtemp(prefix="opefo-bench-")
-    model_path = build_tiny_model(
+def build_model(settings: BenchSettings, work: str) -> str:
+    return build_tiny_model(
         os.path.join(work, "model"),
-        vocab_size=args.vocab_size,
-        hidden_size=args.hidden_size,
-        max_position_embeddings=args.completion_length + 64,
+        vocab_size=settings.vocab_size,
+        hidden_size=settings.hidden_size,
+        num_layers=settings.num_layers,
+        num_heads=settings.num_heads,
+        num_key_value_heads=settings.num_key_value_heads,
+        intermediate_size=settings.intermediate_size,
+        max_position_embeddings=settings.completion_length + 64,
     )
-    prompts = [{"prompt": [{"role": "user", "content": f"What is {i} + {i + 3}?"}]} for i in range(64)]
-    dataset = Dataset.from_list(prompts)
+
+
+def prompts_dataset(size: int = 64) -> Dataset:
+    return Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": f"What is {i} + {i + 3}?"}]} for i in range(size)]
+    )
+
+
+def main(argv=None) -> int:
+    parser = build_parser([BenchSettings], prog="bench_step.py", description=__doc__)
+    try:
+        (settings,) = parse_options(parser, argv)
+    except INPUT_ERRORS as err:
+        return report_error(parser.prog, err)
+    work = tempfile.mkdtemp(prefix="opefo-bench-")
+    model_path = build_model(settings, work)
+    dataset = prompts_dataset()
     device = "cuda" if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
     print(
-        f"device: {device}; vocab {args.vocab_size}, hidden {args.hidden_size}, {args.completions} completions x "
-        f"{args.completion_length} tokens per optimizer step, {args.steps} steps x {args.repeats} repeats\n"
+        f"device: {device}; vocab {settings.vocab_size}, hidden {settings.hidden_size}, {settings.num_layers} layers, "
+        f"{settings.completions} completions x {settings.completion_length} tokens per optimizer step, "
+        f"{settings.steps} steps x {settings.repeats} repeats\n"
     )
-
-    for accumulation in args.accumulation:
-        configs = configurations(accumulation)
-        results = {name: [] for name, _, _ in configs}
-        # One discarded run first: lazy initialisation and first-touch allocations would otherwise land on the baseline.
-        run(model_path, dataset, configs[0][1], configs[0][2], args, accumulation, os.path.join(work, "out"))
-        for _ in range(args.repeats):
-            for name, trainer_class, extra in configs:
-                results[name].append(
-                    run(model_path, dataset, trainer_class, extra, args, accumulation, os.path.join(work, "out"))
-                )
-        base_time = statistics.median(r[0] for r in results[configs[0][0]])
-        base_memory = statistics.median(r[1] for r in results[configs[0][0]])
-        base_forwards = results[configs[0][0]][0][2]
-        print(f"gradient_accumulation_steps={accumulation}")
-        base_train = statistics.median(r[3] for r in results[configs[0][0]])
-        print(
-            "| configuration | s / step | time ratio | s / step without sampling | ratio without sampling | "
-            "peak MiB | memory ratio | backbone passes / step besides decoding (vs GRPO) |"
-        )
-        print("|---|---|---|---|---|---|---|---|")
-        for name, _, _ in configs:
-            step_time = statistics.median(r[0] for r in results[name])
-            memory = statistics.median(r[1] for r in results[name])
-            train_time = statistics.median(r[3] for r in results[name])
-            forwards = results[name][0][2]
-            print(
-                f"| {name} | {step_time:.3f} | {step_time / base_time:.3f} | {train_time:.3f} | "
-                f"{train_time / base_train:.3f} | {memory / 2**20:.0f} | {memory / max(base_memory, 1):.3f} | "
-                f"{forwards:.0f} ({forwards - base_forwards:+.0f}) |"
-            )
-        print()
-
-    plain, stats = bench_vocab_pass(args.vocab_pass_hidden_size, args.vocab_size, args.vocab_pass_tokens)
+    results = compare(model_path, dataset, settings, work)
+    for key, medians in results.items():
+        print(f"gradient_accumulation_steps={key.split('_')[-1]}\n{markdown_table(medians)}\n")
+    vocab = bench_vocab_pass(settings.vocab_pass_hidden_size, settings.vocab_size, settings.vocab_pass_tokens)
     print(
-        f"vocabulary pass ({args.vocab_pass_tokens} tokens x hidden {args.vocab_pass_hidden_size} x vocab "
-        f"{args.vocab_size}): logsumexp {plain * 1e3:.1f} ms, vocab_stats {stats * 1e3:.1f} ms, "
-        f"ratio {stats / plain:.3f}"
+        f"vocabulary pass ({settings.vocab_pass_tokens} tokens x hidden {settings.vocab_pass_hidden_size} x vocab "
+        f"{settings.vocab_size}): logsumexp {vocab['logsumexp_seconds'] * 1e3:.1f} ms, vocab_stats "
+        f"{vocab['vocab_stats_seconds'] * 1e3:.1f} ms, ratio {vocab['ratio']:.3f}"
     )
+    if settings.output_json:
+        with open(settings.output_json, "w") as f:
+            json.dump(
+                {"settings": asdict(settings), "device": device, "steps": results, "vocab_pass": vocab}, f, indent=2
+            )
     return 0
 
 

@@ -39,7 +39,6 @@ Example (a linear softmax policy, where everything can be checked by hand):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -90,52 +89,60 @@ def evaluate_on_both_sides(
             p.copy_(saved)
 
 
-@dataclass
-class NextAdamStep:
-    """The next Adam/AdamW update seen from before it, for a batch whose (clipped) loss gradient is known.
+def _adam_group(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> tuple[dict, dict]:
+    group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
+    state = optimizer.state.get(p) or {}
+    if "betas" not in group or (state and "exp_avg_sq" not in state):
+        raise ValueError(
+            f"entropy_flow_preconditioner='adam' needs Adam's moments, but {type(optimizer).__name__} keeps no "
+            "'exp_avg_sq'. Use an Adam optimizer (optim='adamw_torch') or entropy_flow_preconditioner='none'."
+        )
+    return group, state
+
+
+@torch.no_grad()
+def adam_preconditioner_(
+    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], gradient: Sequence[torch.Tensor]
+) -> float:
+    """Overwrite ``gradient`` (this step's loss gradient, one fp32 tensor per parameter) with the diagonal
+    preconditioner D of the next Adam/AdamW update, and return the weight of this batch's gradient in it.
 
     Adam's update is -lr * m_hat_t / (sqrt(v_hat_t) + eps) with m_t = beta1 m_{t-1} + (1 - beta1) g_t and
-    v_t = beta2 v_{t-1} + (1 - beta2) g_t^2. Split as -lr * (gradient_scale * D g_t + D momentum):
-
-    - ``preconditioner`` D = 1 / (sqrt(v_hat_t) + eps), with v_t estimated from the stored second moments and this
-      batch's gradient (it matters: early in training, and for parameters such as the embedding rows of rare tokens,
-      g_t^2 dominates v_t);
-    - ``gradient_scale`` = (1 - beta1) / (1 - beta1^t), the weight of this batch's gradient in m_hat_t;
-    - ``momentum`` = beta1 m_{t-1} / (1 - beta1^t), what earlier batches carry into this step (None on step 1).
+    v_t = beta2 v_{t-1} + (1 - beta2) g_t^2, i.e. -lr * ((1 - beta1) / (1 - beta1^t) * D g_t + D momentum) with
+    D = 1 / (sqrt(v_hat_t) + eps). v_t is estimated from the stored second moments and this batch's gradient (which
+    matters: early in training, and for parameters such as the embedding rows of rare tokens, g_t^2 dominates v_t).
+    In place, so that the estimate costs no memory beyond the gradient buffer. Raises ValueError for an optimizer
+    without Adam's moments.
     """
-
-    preconditioner: list[torch.Tensor]
-    gradient_scale: float
-    momentum: list[torch.Tensor] | None
-
-
-def next_adam_step(
-    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], gradient: Sequence[torch.Tensor]
-) -> NextAdamStep:
-    """``NextAdamStep`` of ``optimizer`` (torch Adam/AdamW state and hyper-parameters) for ``params`` whose loss
-    gradient this step will be ``gradient``. Raises ValueError for an optimizer without Adam's moments."""
-    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
-    preconditioner, momentum = [], []
     gradient_scale = 1.0
     for p, g in zip(params, gradient, strict=True):
-        group = group_of[id(p)]
-        state = optimizer.state.get(p) or {}
-        if "betas" not in group or (state and "exp_avg_sq" not in state):
-            raise ValueError(
-                f"entropy_flow_preconditioner='adam' needs Adam's moments, but {type(optimizer).__name__} keeps no "
-                "'exp_avg_sq'. Use an Adam optimizer (optim='adamw_torch') or entropy_flow_preconditioner='none'."
-            )
+        group, state = _adam_group(optimizer, p)
         (beta1, beta2), eps = group["betas"], group["eps"]
         step = float(state.get("step", 0)) + 1
-        v = (1 - beta2) * g.float().square()
+        v = g.square_().mul_(1 - beta2)
         if state:
-            v = v + beta2 * state["exp_avg_sq"].float()
+            v.add_(state["exp_avg_sq"].float(), alpha=beta2)
             if group.get("amsgrad"):
-                v = torch.maximum(v, state["max_exp_avg_sq"].float())
-        preconditioner.append(1.0 / ((v / (1 - beta2**step)).sqrt() + eps))
-        momentum.append(beta1 * state["exp_avg"].float() / (1 - beta1**step) if state else None)
+                torch.maximum(v, state["max_exp_avg_sq"].float(), out=v)
+        v.div_(1 - beta2**step).sqrt_().add_(eps).reciprocal_()
         gradient_scale = (1 - beta1) / (1 - beta1**step)
-    return NextAdamStep(preconditioner, gradient_scale, None if any(m is None for m in momentum) else momentum)
+    return gradient_scale
+
+
+@torch.no_grad()
+def adam_momentum_term(
+    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], direction: Sequence[torch.Tensor]
+) -> float:
+    """<direction, beta1 m_{t-1} / (1 - beta1^t)>: what earlier batches carry into the next Adam step, seen along
+    ``direction`` (0 before the first step)."""
+    total = 0.0
+    for p, v in zip(params, direction, strict=True):
+        group, state = _adam_group(optimizer, p)
+        if state:
+            beta1 = group["betas"][0]
+            step = float(state["step"]) + 1
+            total += float((v.double() * state["exp_avg"].double()).sum()) * beta1 / (1 - beta1**step)
+    return total
 
 
 def inner(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:

@@ -38,7 +38,7 @@ import dataclasses
 import json
 import os
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -57,11 +57,12 @@ from .entropy_flow import TABULAR_ESTIMATES, FlowStats, flow_per_unit_advantage,
 from .methods import TokenBatch, TokenMethod, get_token_method_class  # noqa: E402
 from .param_flow import (  # noqa: E402
     FD_RELATIVE_STEPS,
+    adam_momentum_term,
+    adam_preconditioner_,
     evaluate_on_both_sides,
     finite_difference_step,
     global_norm,
     inner,
-    next_adam_step,
     predicted_entropy_change,
     relative_error,
 )
@@ -482,7 +483,9 @@ class OPEFOTrainer(GRPOTrainer):
         One forward and one or two backwards for grad Hbar (Hbar: mean token entropy of the rollout batch's completion
         positions over all ranks) and, for the Adam preconditioner, the policy loss's gradient (which enters Adam's
         second moments this step); then two no-grad forwards at theta +/- e D grad Hbar. All in float32 on the
-        unwrapped model (no DDP hooks), gradient checkpointing off; the parameters are restored exactly.
+        unwrapped model (no DDP hooks), with the configured gradient checkpointing (off only when reentrant, which
+        autograd.grad cannot go through). Extra memory: two fp32 copies of the trainable parameters at most (the
+        gradients, then the direction and the backup the finite difference restores them from).
         """
         model = self.accelerator.unwrap_model(self.model)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -491,7 +494,16 @@ class OPEFOTrainer(GRPOTrainer):
         adam = self.args.entropy_flow_preconditioner == "adam"
         entropy_grad = [torch.zeros_like(p, dtype=torch.float32) for p in params]
         loss_grad = [torch.zeros_like(p, dtype=torch.float32) for p in params] if adam else None
-        with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs), torch.enable_grad():
+        # torch.autograd.grad works through non-reentrant checkpointing (transformers 5's default), not reentrant.
+        reentrant = self.args.gradient_checkpointing and (self.args.gradient_checkpointing_kwargs or {}).get(
+            "use_reentrant"
+        )
+        checkpointing = (
+            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs)
+            if reentrant
+            else nullcontext()
+        )
+        with checkpointing, torch.enable_grad():
             for batch, mask in zip(batches, masks, strict=True):
                 logps, entropies = self._score_in_fp32(model, batch)
                 batch.setdefault(ROLLOUT_STATS[0], logps.detach())
@@ -506,20 +518,26 @@ class OPEFOTrainer(GRPOTrainer):
                     for running, part in zip(total, parts, strict=True):
                         if part is not None:
                             running.add_(part)
-        entropy_grad = [self._reduce_sum(g) for g in entropy_grad]
+        for g in entropy_grad:
+            g.copy_(self._reduce_sum(g))
         self._param_prediction = {"gradient_scale": 1.0, "momentum_term": 0.0}
         direction = entropy_grad
         if adam:
-            loss_grad = [self._reduce_sum(g) for g in loss_grad]
+            # Memory: the loss gradient becomes Adam's preconditioner and then the direction D grad Hbar, in place.
+            for g in loss_grad:
+                g.copy_(self._reduce_sum(g))
             if self.args.max_grad_norm:
                 clip = min(1.0, self.args.max_grad_norm / (global_norm(loss_grad) + 1e-6))
-                loss_grad = [g * clip for g in loss_grad]
-            step = next_adam_step(self.optimizer, params, loss_grad)
-            del loss_grad
-            direction = [g * d for g, d in zip(entropy_grad, step.preconditioner, strict=True)]
-            momentum = 0.0 if step.momentum is None else inner(direction, step.momentum)
-            self._param_prediction = {"gradient_scale": step.gradient_scale, "momentum_term": momentum}
+                for g in loss_grad:
+                    g.mul_(clip)
+            gradient_scale = adam_preconditioner_(self.optimizer, params, loss_grad)
+            direction = [d.mul_(g) for d, g in zip(loss_grad, entropy_grad, strict=True)]
+            self._param_prediction = {
+                "gradient_scale": gradient_scale,
+                "momentum_term": adam_momentum_term(self.optimizer, params, direction),
+            }
         exact = inner(entropy_grad, direction)  # d Hbar / d e along the direction, from the gradient
+        del entropy_grad  # (for the Adam preconditioner; else it is the direction)
         if exact == 0.0:  # no entropy gradient: no token moves Hbar to first order
             return [torch.zeros_like(mask) for mask in masks]
 

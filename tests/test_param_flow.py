@@ -7,10 +7,11 @@ import torch
 
 from opefo_trl.entropy_flow import entropy_flow, flow_stats, token_weights
 from opefo_trl.param_flow import (
+    adam_momentum_term,
+    adam_preconditioner_,
     evaluate_on_both_sides,
     finite_difference_step,
     inner,
-    next_adam_step,
     predicted_entropy_change,
     relative_error,
 )
@@ -178,15 +179,15 @@ def test_opefo_with_the_adam_preconditioned_flow_cancels_a_real_adamw_step(netwo
             optimizer.step()
             return float(_mean_entropy(model, sequences)) - before
 
-        loss_gradient = torch.autograd.grad(-_objective(model, sequences, advantages, factor), params)
-        step = next_adam_step(optimizer, params, loss_gradient)
+        preconditioner = list(torch.autograd.grad(-_objective(model, sequences, advantages, factor), params))
+        gradient_scale = adam_preconditioner_(optimizer, params, preconditioner)
         entropy_gradient = torch.autograd.grad(_mean_entropy(model, sequences), params)
-        direction = [g * d for g, d in zip(entropy_gradient, step.preconditioner, strict=True)]
+        direction = [g * d for g, d in zip(entropy_gradient, preconditioner, strict=True)]
         flow = entropy_flow(
             *_score(model, sequences), advantages, "param", entropy_alignment=_alignment(model, sequences, direction)
         ).double()
         grpo = adamw_step(None)
-        predicted = predicted_entropy_change(1e-5, 1.0, float((factor * flow).sum()), step.gradient_scale)
+        predicted = predicted_entropy_change(1e-5, 1.0, float((factor * flow).sum()), gradient_scale)
         assert relative_error(predicted, grpo) < 0.1
         weights = token_weights(flow, flow_stats(flow, factor).lambda_star).double()
         opefo = adamw_step(weights)
@@ -198,29 +199,36 @@ def test_opefo_with_the_adam_preconditioned_flow_cancels_a_real_adamw_step(netwo
 
 
 @pytest.mark.parametrize("amsgrad", [False, True])
-def test_next_adam_step_reproduces_the_torch_adamw_update(amsgrad):
+def test_the_adam_view_reproduces_the_torch_adamw_update(amsgrad):
+    """Along any probe r, AdamW's next update is -lr * (gradient_scale * <r, D g> + <r D, momentum>), with D and the
+    momentum term read from the state before the step."""
     gen = torch.Generator().manual_seed(0)
     params = [torch.randn(5, 3, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2)]
     optimizer = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.0, amsgrad=amsgrad)
     for _ in range(4):
         gradient = [torch.randn(p.shape, generator=gen, dtype=torch.float64) for p in params]
-        step = next_adam_step(optimizer, params, gradient)
+        probe = [torch.randn(p.shape, generator=gen, dtype=torch.float64) for p in params]
+        preconditioner = [g.clone() for g in gradient]
+        scale = adam_preconditioner_(optimizer, params, preconditioner)
+        scaled_probe = [r * d for r, d in zip(probe, preconditioner, strict=True)]
+        predicted = -1e-2 * (
+            scale * inner(scaled_probe, gradient) + adam_momentum_term(optimizer, params, scaled_probe)
+        )
         before = [p.detach().clone() for p in params]
         for p, g in zip(params, gradient, strict=True):
             p.grad = g.clone()
         optimizer.step()
-        for p, b, g, d, m in zip(params, before, gradient, step.preconditioner, step.momentum or [0, 0], strict=True):
-            expected = -1e-2 * (step.gradient_scale * d * g + d * m)
-            torch.testing.assert_close(p.detach() - b, expected, rtol=1e-6, atol=1e-12)  # D is kept in fp32
+        actual = inner(probe, [p.detach() - b for p, b in zip(params, before, strict=True)])
+        assert actual == pytest.approx(predicted, rel=1e-6)
 
 
-def test_next_adam_step_refuses_an_optimizer_without_second_moments():
+def test_the_adam_view_refuses_an_optimizer_without_second_moments():
     p = torch.zeros(3, requires_grad=True)
     optimizer = torch.optim.SGD([p], lr=0.1, momentum=0.9)
     p.grad = torch.ones(3)
     optimizer.step()
     with pytest.raises(ValueError, match="entropy_flow_preconditioner='none'"):
-        next_adam_step(optimizer, [p], [torch.ones(3)])
+        adam_preconditioner_(optimizer, [p], [torch.ones(3)])
 
 
 def test_parameters_are_restored_bit_for_bit_even_when_evaluation_fails():
