@@ -146,6 +146,28 @@ def _uses_fsdp(args) -> bool:
     return bool(args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
+def check_estimate_backend(estimate: str, *, deepspeed: bool, fsdp: bool, compiled: bool = False) -> None:
+    """Refuse an entropy-flow estimate the training backend cannot run, naming what to use instead (called with the
+    configuration's flags and again by the trainer with accelerate's state)."""
+    if estimate == "full" and compiled:
+        raise ValueError(
+            "entropy_flow_estimate='full' reads the backbone's hidden states through a forward hook, which a compiled "
+            "model does not run. Set torch_compile=False, or use a log-prob estimate ('opefo', 'onaction', 'sign')."
+        )
+    if estimate in ("full", "param") and fsdp:
+        raise ValueError(
+            f"entropy_flow_estimate={estimate!r} is not supported under FSDP (the LM head and the parameters are "
+            "sharded outside the forward). Use DDP (recipes/accelerate/ddp.yaml), DeepSpeed ZeRO-3 for 'full', or a "
+            "log-prob estimate ('opefo', 'onaction', 'sign')."
+        )
+    if estimate == "param" and deepspeed:
+        raise ValueError(
+            "entropy_flow_estimate='param' perturbs the trainable parameters in float32, which DeepSpeed holds as "
+            "bf16 copies of fp32 master weights (ZeRO-3 also partitions them). Use DDP (recipes/accelerate/ddp.yaml, "
+            "e.g. with LoRA), or 'full' / a log-prob estimate under DeepSpeed."
+        )
+
+
 def validate_opefo_settings(args) -> None:
     """Check the OPEFO options of ``args`` (an OPEFOConfig, or a GRPOConfig given them by `with_opefo_settings`).
 
@@ -167,23 +189,13 @@ def validate_opefo_settings(args) -> None:
         raise ValueError(f"entropy_flow_audit_steps must be >= 0 (0: off); got {args.entropy_flow_audit_steps}.")
     if args.vocab_stats_token_chunk_size < 1 or args.vocab_stats_vocab_chunk_size < 1:
         raise ValueError("vocab_stats_token_chunk_size and vocab_stats_vocab_chunk_size must be >= 1.")
-    estimate = args.entropy_flow_estimate
-    if estimate == "full" and args.torch_compile:
-        raise ValueError(
-            "entropy_flow_estimate='full' reads the backbone's hidden states through a forward hook, which a compiled "
-            "model does not run. Set torch_compile=False, or use a log-prob estimate ('opefo', 'onaction', 'sign')."
-        )
-    if estimate in ("full", "param") and _uses_fsdp(args):
-        raise ValueError(
-            f"entropy_flow_estimate={estimate!r} is not supported under FSDP (the LM head and the parameters are "
-            "sharded outside the forward). Use DDP (recipes/accelerate/ddp.yaml), DeepSpeed ZeRO-3 for 'full', or a "
-            "log-prob estimate ('opefo', 'onaction', 'sign')."
-        )
-    if estimate == "param" and _uses_deepspeed(args):
-        raise ValueError(
-            "entropy_flow_estimate='param' perturbs the trainable parameters in float32, which DeepSpeed holds as "
-            "bf16 copies of fp32 master weights (ZeRO-3 also partitions them). Use DDP (recipes/accelerate/ddp.yaml, "
-            "e.g. with LoRA), or 'full' / a log-prob estimate under DeepSpeed."
+    uses_estimate = method_class.needs_rollout_pass or args.entropy_flow_diagnostics
+    if uses_estimate:
+        check_estimate_backend(
+            args.entropy_flow_estimate,
+            deepspeed=_uses_deepspeed(args),
+            fsdp=_uses_fsdp(args),
+            compiled=args.torch_compile,
         )
     reasons = _off_policy_reasons(args)
     if reasons and method_class.on_policy_only and not args.allow_off_policy:
@@ -233,4 +245,11 @@ def with_opefo_settings(args: GRPOConfig) -> GRPOConfig:
     return args
 
 
-__all__ = ["EntropyFlowSettings", "OPEFOConfig", "TOKEN_METHODS", "validate_opefo_settings", "with_opefo_settings"]
+__all__ = [
+    "EntropyFlowSettings",
+    "OPEFOConfig",
+    "TOKEN_METHODS",
+    "check_estimate_backend",
+    "validate_opefo_settings",
+    "with_opefo_settings",
+]

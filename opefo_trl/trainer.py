@@ -52,7 +52,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.models.utils import disable_gradient_checkpointing  # noqa: E402
 from trl.trainer.utils import maybe_gather_lm_head_ctx  # noqa: E402
 
-from .config import OPEFOConfig, with_opefo_settings  # noqa: E402
+from .config import OPEFOConfig, check_estimate_backend, with_opefo_settings  # noqa: E402
 from .entropy_flow import TABULAR_ESTIMATES, FlowStats, flow_per_unit_advantage, flow_stats  # noqa: E402
 from .methods import TokenBatch, TokenMethod, get_token_method_class  # noqa: E402
 from .param_flow import (  # noqa: E402
@@ -164,20 +164,11 @@ class OPEFOTrainer(GRPOTrainer):
 
     def _refuse_unsupported_setup(self) -> None:
         """What the configuration alone could not tell (accelerate's launch config, the weights' dtype)."""
-        if self.flow_estimate in ("full", "param") and self.is_fsdp_enabled:
-            raise ValueError(
-                f"entropy_flow_estimate={self.flow_estimate!r} is not supported under FSDP (the LM head and the "
-                "parameters are sharded outside the forward). Use DDP, DeepSpeed ZeRO-3 for 'full', or a log-prob "
-                "estimate ('opefo', 'onaction', 'sign')."
-            )
+        uses_estimate = self._rollout_flow or self.args.entropy_flow_diagnostics
+        if uses_estimate:
+            check_estimate_backend(self.flow_estimate, deepspeed=self.is_deepspeed_enabled, fsdp=self.is_fsdp_enabled)
         if self.flow_estimate != "param" or not self._rollout_flow:
             return
-        if self.is_deepspeed_enabled:
-            raise ValueError(
-                "entropy_flow_estimate='param' is not supported under DeepSpeed (bf16 working copies of fp32 master "
-                "weights; ZeRO-3 partitions them). Use DDP (recipes/accelerate/ddp.yaml), or 'full' / a log-prob "
-                "estimate under DeepSpeed."
-            )
         not_fp32 = sorted({str(p.dtype) for p in self.model.parameters() if p.is_floating_point()} - {"torch.float32"})
         if not_fp32:
             raise ValueError(
