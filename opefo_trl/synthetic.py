@@ -4,7 +4,7 @@ The task: *"Solve 17 = ? + ?"*, i.e. write 17 as a sum of two positive whole num
 ``a, b >= 1`` and ``a + b == 17`` is correct, so a prompt with target ``t`` has ``t - 1`` correct answers. A policy
 that has learned the task can keep spreading its probability over many correct answers (high token entropy on the
 first addend) or collapse onto one of them: reward cannot tell the two apart, which is exactly the situation in
-which on-policy RL's entropy collapse shows up (SPEC.md section 2, "Dynamics").
+which on-policy RL's entropy collapse shows up (docs/algorithm.md section 7, "The regime").
 
 The verifier is plain Python: the completion must be exactly ``"<a> + <b>"`` (surrounding whitespace allowed),
 with both addends positive integers that sum to the target; anything else scores 0.

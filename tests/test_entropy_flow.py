@@ -32,7 +32,7 @@ def _softmax_quantities(logits: torch.Tensor, action: int):
 @pytest.mark.parametrize("seed", range(5))
 @pytest.mark.parametrize("advantage", [1.0, -0.7])
 def test_full_estimate_matches_exact_entropy_change_of_a_small_step(seed, advantage):
-    """A PG step dz = eta A (e_a - pi) changes H by eta * d_t to first order (SPEC section 1)."""
+    """A PG step dz = eta A (e_a - pi) changes H by eta * d_t to first order (docs/algorithm.md section 1)."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(50, generator=gen, dtype=torch.float64) * 2
     action = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
