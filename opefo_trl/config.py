@@ -53,7 +53,8 @@ class EntropyFlowSettings:
     entropy_flow_preconditioner: str = setting(
         "adam",
         "'param' estimate: the optimizer's diagonal preconditioner D in d_t = c_t A_t <D grad Hbar, grad log pi_t>. "
-        "'adam': AdamW's bias-corrected second moments (identity before the first step); 'none': plain SGD.",
+        "'adam': AdamW's next step, its bias-corrected second moments including this batch's clipped gradient "
+        "(computed in the same pass); 'none': plain SGD.",
     )
     entropy_flow_diagnostics: bool = setting(
         True,
