@@ -56,10 +56,10 @@ format: install
 	$(VENV)/bin/ruff format .
 
 demo: install
-	$(PY) -m opefo_trl.demo --output-dir $(DEMO_OUT) $(DEMO_ARGS)
+	$(PY) -m opefo_trl.demo --output_dir $(DEMO_OUT) $(DEMO_ARGS)
 
 demo-quick: install
-	$(PY) -m opefo_trl.demo --quick --output-dir $(DEMO_OUT)-quick $(DEMO_ARGS)
+	$(PY) -m opefo_trl.demo --quick true --output_dir $(DEMO_OUT)-quick $(DEMO_ARGS)
 
 bench: install
 	$(PY) benchmarks/bench_step.py

@@ -39,7 +39,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .synthetic import completion_text
+from .model_io import completion_to_text
 
 PROMPT_TEMPLATE = "Write {num_digits} digits that add up to {target}"
 DEFAULT_NUM_DIGITS = 24
@@ -185,7 +185,7 @@ def digit_sum_reward(completions: Sequence, target=None, num_digits=None, tolera
                 f"Got {len(completions)} completions but {len(column)} values of `{name}`; they must match one to one."
             )
     return [
-        digit_sum_score(completion_text(c), t, _check_num_digits(k), _check_tolerance(tol))
+        digit_sum_score(completion_to_text(c), t, _check_num_digits(k), _check_tolerance(tol))
         for c, t, k, tol in zip(completions, target, num_digits, tolerance, strict=True)
     ]
 

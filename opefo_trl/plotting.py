@@ -38,6 +38,11 @@ class Panel:
     title: str
     ylabel: str
     metrics: tuple[str, ...]
+    #: Drawn only when some run logged it, and not reported missing otherwise (metrics most runs need not log).
+    optional: bool = False
+    #: matplotlib y scale; "log" for the flows, whose size differs by orders of magnitude between estimates (the
+    #: `param` flow is in parameter-space units, the tabular ones per logit).
+    yscale: str = "linear"
 
 
 DEFAULT_PANELS: tuple[Panel, ...] = (
@@ -48,6 +53,13 @@ DEFAULT_PANELS: tuple[Panel, ...] = (
         "Entropy flow (solid: increase P, dashed: decrease N)",
         "first-order flow",
         ("entropy_flow/increase", "entropy_flow/decrease"),
+        yscale="log",
+    ),
+    Panel(
+        "Entropy change per update (solid: measured, dashed: predicted)",
+        "change of mean token entropy",
+        ("entropy_flow/measured_delta", "entropy_flow/predicted_delta"),
+        optional=True,
     ),
 )
 _LINESTYLES = ("-", "--", ":", "-.")
@@ -219,7 +231,8 @@ def plot_runs(
 
     available = set().union(*(run.keys() for run in runs))
     wanted = [m for panel in panels for m in panel.metrics]
-    missing = [m for m in dict.fromkeys(wanted) if m not in available]
+    required = [m for panel in panels if not panel.optional for m in panel.metrics]
+    missing = [m for m in dict.fromkeys(required) if m not in available]
     shown = [p for p in panels if any(m in available for m in p.metrics)]
     if not shown:
         raise ValueError(
@@ -233,7 +246,7 @@ def plot_runs(
     axes = fig.subplots(nrows, ncols, squeeze=False)
     colors = rcParams["axes.prop_cycle"].by_key()["color"]
     plotted: list[str] = []
-    for ax, panel in zip(axes.flat, shown, strict=True):
+    for ax, panel in zip(axes.flat, shown, strict=False):  # the grid may have one axis more than panels
         for g, (name, members) in enumerate(grouped.items()):
             color = colors[g % len(colors)]
             for k, metric in enumerate(panel.metrics):
@@ -249,11 +262,12 @@ def plot_runs(
                     ax.fill_between(steps, mean - std, mean + std, color=color, alpha=0.15, lw=0)
                 if metric not in plotted:
                     plotted.append(metric)
-        if "entropy_flow/lambda" in panel.metrics:
+        if "entropy_flow/lambda" in panel.metrics or panel.optional:
             ax.axhline(0.0, color="0.5", lw=0.8, zorder=0)
         ax.set_title(panel.title, fontsize=10)
         ax.set_xlabel("step")
         ax.set_ylabel(panel.ylabel)
+        ax.set_yscale(panel.yscale)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)

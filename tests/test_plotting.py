@@ -135,6 +135,21 @@ def test_metrics_missing_from_every_run_are_skipped_and_reported(tmp_path):
     assert height_four_panels > height_two_panels
 
 
+def test_measured_entropy_change_is_drawn_when_audited(tmp_path):
+    # entropy_flow_audit_steps logs the measured change (every run) and, for `param`, the predicted one
+    audited = _rows(6, 2.0)
+    for row in audited[:-1]:
+        row["entropy_flow/measured_delta"] = -0.01 * row["step"]
+        row["entropy_flow/predicted_delta"] = -0.009 * row["step"]
+    plain = load_runs([_write_state(tmp_path / "plain", _rows(6, 2.0))])
+    without = plot_runs(plain, tmp_path / "plain.png")
+    assert without.missing == [], "an optional panel nobody logged is not reported missing"
+    assert "entropy_flow/measured_delta" not in without.plotted
+    with_audit = plot_runs(load_runs([_write_state(tmp_path / "audited", audited)]), tmp_path / "audited.png")
+    assert {"entropy_flow/measured_delta", "entropy_flow/predicted_delta"} <= set(with_audit.plotted)
+    assert _png_size(tmp_path / "audited.png")[1] > _png_size(tmp_path / "plain.png")[1]  # a third row of panels
+
+
 def test_plot_refuses_runs_without_any_known_metric(tmp_path):
     runs = load_runs([_write_state(tmp_path / "x", [{"step": 1, "loss": 0.3}])])
     with pytest.raises(ValueError, match="None of the metrics"):
