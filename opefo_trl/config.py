@@ -91,7 +91,7 @@ class OPEFOConfig(GRPOConfig, EntropyFlowSettings, OPEFOSettings, PARSettings, C
     | Clip-Cov / KL-Cov | `method="clip_cov"` / `method="kl_cov"` |
     | PAR | `method="par"` (entropy-guided) or `par_coef=<c>` |
     | OPEFO ablations | `opefo_lambda=0.001`, `opefo_sides="increase_only"` / `"decrease_only"` |
-    | OPEFO, exact flow | `entropy_flow_estimate="param"` |
+    | OPEFO, exact flow | `entropy_flow_estimate="param"` (`opefo_balance="step"`: the whole AdamW step) |
 
     Example:
         >>> from opefo_trl import OPEFOConfig
@@ -184,6 +184,15 @@ def validate_opefo_settings(args) -> None:
     method_class = get_token_method_class(args.method)  # unknown name: error listing the valid ones
     method_class.settings_from(args)  # the selected method's settings validate on construction
     _refuse_settings_of_other_methods(args, method_class)
+    if getattr(args, "opefo_balance", "batch") == "step" and (
+        args.entropy_flow_estimate != "param" or args.entropy_flow_preconditioner != "adam"
+    ):
+        raise ValueError(
+            "opefo_balance='step' offsets what Adam's momentum carries into the step, which only the 'param' estimate "
+            "with the 'adam' preconditioner measures; got entropy_flow_estimate="
+            f"{args.entropy_flow_estimate!r}, entropy_flow_preconditioner={args.entropy_flow_preconditioner!r}. Set "
+            "entropy_flow_estimate='param' and entropy_flow_preconditioner='adam', or opefo_balance='batch'."
+        )
     check_choice("entropy_flow_estimate", args.entropy_flow_estimate, FLOW_ESTIMATES)
     check_choice("entropy_flow_preconditioner", args.entropy_flow_preconditioner, PRECONDITIONERS)
     if args.entropy_flow_audit_steps < 0:

@@ -29,7 +29,8 @@ Usage:
     python -m opefo_trl.demo --output_dir runs/x --methods grpo opefo clip_cov par --seeds 0 1 2 3 4
 
 Methods: ``grpo`` (strict on-policy GRPO), ``opefo`` (the paper's estimate), ``opefo_param`` (OPEFO with the exact
-parameter-space flow), ``entropy_reg`` (GRPO + TRL's ``entropy_coef``), ``opefo_full``, ``clip_cov``, ``par``.
+parameter-space flow), ``opefo_param_step`` (the same, balancing the whole AdamW step, momentum included),
+``entropy_reg`` (GRPO + TRL's ``entropy_coef``), ``opefo_full``, ``clip_cov``, ``par``.
 Every run logs the entropy-flow diagnostics (the lambda* OPEFO would use), so the lambda* panel is meaningful for
 the baselines too.
 """
@@ -171,6 +172,11 @@ def demo_methods(entropy_coef: float) -> dict[str, DemoMethod]:
                 "opefo_param",
                 "OPEFO, exact parameter-space flow (`param`)",
                 {"method": "opefo", "entropy_flow_estimate": "param"},
+            ),
+            DemoMethod(
+                "opefo_param_step",
+                "OPEFO, `param`, whole AdamW step balanced (`opefo_balance='step'`)",
+                {"method": "opefo", "entropy_flow_estimate": "param", "opefo_balance": "step"},
             ),
             DemoMethod(
                 "entropy_reg",

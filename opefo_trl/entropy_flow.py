@@ -45,6 +45,8 @@ TABULAR_ESTIMATES = ("opefo", "onaction", "sign", "full")
 #: Every estimate; `param` needs the network (opefo_trl.param_flow computes its u_t).
 FLOW_ESTIMATES = (*TABULAR_ESTIMATES, "param")
 SIDES = ("both", "increase_only", "decrease_only")
+#: What OPEFO's lambda* balances: this batch's flow (the paper's) or the whole optimizer step's (momentum included).
+BALANCES = ("batch", "step")
 
 
 def check_choice(name: str, value, choices) -> None:
@@ -199,10 +201,20 @@ def flow_stats(flow: torch.Tensor, factor: torch.Tensor) -> FlowStats:
     )
 
 
-def lambda_star(increase: torch.Tensor, decrease: torch.Tensor) -> torch.Tensor:
-    """lambda* = (N - P) / (N + P), and 0 when N + P = 0 (nothing flows)."""
+def lambda_star(increase: torch.Tensor, decrease: torch.Tensor, carried: torch.Tensor | float = 0.0) -> torch.Tensor:
+    """lambda* = (N - P - carried) / (N + P): the lambda for which (1 + lambda) P - (1 - lambda) N + carried = 0, and
+    0 when N + P = 0 (nothing flows).
+
+    ``carried`` is flow the optimizer step applies whatever this batch's weights (Adam's momentum, with
+    ``opefo_balance="step"``); 0 gives the paper's lambda* = (N - P) / (N + P). The result may leave [-1, 1] when
+    ``carried`` exceeds what reweighting this batch can offset; the caller clamps it.
+
+    >>> lambda_star(torch.tensor(1.0), torch.tensor(3.0)), lambda_star(torch.tensor(1.0), torch.tensor(3.0), 1.0)
+    (tensor(0.5000), tensor(0.2500))
+    """
     total = increase + decrease
-    return torch.where(total > 0, (decrease - increase) / total.clamp(min=torch.finfo(total.dtype).tiny), 0.0)
+    balance = decrease - increase - torch.as_tensor(carried, dtype=total.dtype)
+    return torch.where(total > 0, balance / total.clamp(min=torch.finfo(total.dtype).tiny), 0.0)
 
 
 @torch.no_grad()

@@ -41,7 +41,7 @@ from typing import ClassVar
 
 import torch
 
-from .entropy_flow import SIDES, FlowStats, check_choice, flow_stats, token_weights
+from .entropy_flow import BALANCES, SIDES, FlowStats, check_choice, flow_stats, lambda_star, token_weights
 
 ReduceSum = Callable[[torch.Tensor], torch.Tensor]
 
@@ -65,7 +65,9 @@ class TokenBatch:
     off-policy and entropy masks; 0 for a token that is not in the loss). ``flow`` is d_t, the first-order entropy
     change of each token's update with the configured estimate (see ``entropy_flow``), when the method needs it.
     ``old_logps`` are the behaviour policy's when TRL tracks them (off-policy or vLLM correction), else None (strict
-    on-policy: the ratio is 1).
+    on-policy: the ratio is 1). ``carried_flow`` (a scalar, the same on every rank) is the net flow the optimizer
+    step applies besides this batch's, in the units of sum_t f_t d_t: Adam's momentum seen along the `param`
+    direction (``param_flow.carried_flow``); 0 where it is not measured.
     """
 
     logps: torch.Tensor
@@ -74,6 +76,7 @@ class TokenBatch:
     factor: torch.Tensor
     flow: torch.Tensor | None = None
     old_logps: torch.Tensor | None = None
+    carried_flow: float = 0.0
 
     @property
     def in_loss(self) -> torch.Tensor:
@@ -220,6 +223,13 @@ class OPEFOSettings:
     opefo_sides: str = setting(
         "both", "Which set OPEFO rescales: 'both', 'increase_only' (S+) or 'decrease_only' (S-) (paper ablations)."
     )
+    opefo_balance: str = setting(
+        "batch",
+        "What lambda* balances. 'batch' (the paper's): the reweighted batch's own first-order entropy flow sums to 0. "
+        "'step' (this library's): the whole next AdamW step's first-order entropy change is 0, including what Adam's "
+        "momentum carries from earlier batches (nine tenths of each step with beta1=0.9); needs "
+        "entropy_flow_estimate='param' with entropy_flow_preconditioner='adam'.",
+    )
     opefo_lambda_warn: float = setting(
         0.1,
         "Warn once when |lambda*| averaged over the last 20 optimizer steps exceeds this: the paper's lambda* is "
@@ -229,6 +239,11 @@ class OPEFOSettings:
 
     def __post_init__(self):
         check_choice("opefo_sides", self.opefo_sides, SIDES)
+        check_choice("opefo_balance", self.opefo_balance, BALANCES)
+        if self.opefo_balance == "step" and self.opefo_lambda is not None:
+            raise ValueError(
+                "opefo_balance='step' chooses lambda every step, which a fixed opefo_lambda overrides. Remove one."
+            )
         if self.opefo_lambda is not None and not -1.0 <= self.opefo_lambda <= 1.0:
             raise ValueError(
                 "opefo_lambda must lie in [-1, 1] (token weights 1 +/- lambda must stay >= 0); "
@@ -243,7 +258,9 @@ class OPEFO(TokenMethod):
     """On-Policy Entropy Flow Optimization: rescale S+ / S- by 1 +/- lambda* so the batch's net entropy flow is 0.
 
     The flow d_t comes with the batch (the trainer computes it with ``entropy_flow_estimate``) and every sum is
-    weighted by the batch's ``factor``, so lambda* balances the update the loss really applies.
+    weighted by the batch's ``factor``, so lambda* balances the update the loss really applies. With
+    ``opefo_balance="step"`` the target is minus the batch's ``carried_flow`` instead of 0, so that the whole
+    optimizer step, momentum included, leaves the mean entropy unchanged to first order.
     """
 
     Settings = OPEFOSettings
@@ -262,8 +279,13 @@ class OPEFO(TokenMethod):
         if batch.flow is None:
             raise ValueError("OPEFO needs the batch's entropy flow (TokenBatch.flow).")
         stats = FlowStats.from_tensor(reduce_sum(flow_stats(batch.flow, batch.factor).to_tensor()))
+        step = self.settings.opefo_balance == "step"
+        carried = batch.carried_flow if step else 0.0  # already the same on every rank: not reduced
         fixed = self.settings.opefo_lambda
-        lam = stats.lambda_star if fixed is None else torch.tensor(fixed, dtype=torch.float64)
+        if fixed is not None:
+            lam = torch.tensor(fixed, dtype=torch.float64)
+        else:  # weights 1 +/- lambda must stay >= 0: a carried flow beyond the batch's reach is offset in part
+            lam = lambda_star(stats.increase, stats.decrease, carried).clamp(-1.0, 1.0)
         weights = token_weights(batch.flow, lam.float(), self.settings.opefo_sides)
         weighted = FlowStats.from_tensor(reduce_sum(flow_stats(batch.flow * weights, batch.factor).to_tensor()))
         self._recent_lambdas.append(abs(float(stats.lambda_star)))
@@ -272,6 +294,8 @@ class OPEFO(TokenMethod):
             "opefo/lambda_applied": float(lam),
             "opefo/weighted_net": float(weighted.net),
         }
+        if step:
+            self._rollout_metrics["opefo/carried_flow"] = float(carried)
         return weights
 
     def on_optimizer_step(self, reduce_sum: ReduceSum = _identity) -> None:

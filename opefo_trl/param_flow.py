@@ -164,6 +164,19 @@ def predicted_entropy_change(
     return learning_rate * (gradient_scale * clip * applied_net - momentum_term)
 
 
+def carried_flow(momentum_term: float, gradient_scale: float, clip: float = 1.0) -> float:
+    """The net flow the next optimizer step applies on top of this batch's, in the units of sum_t f_t w_t d_t:
+    -momentum_term / (gradient_scale * clip). A batch whose applied net flow is minus this leaves Hbar unchanged to
+    first order through the whole step (``predicted_entropy_change`` is then 0): OPEFO's ``opefo_balance="step"``.
+
+    >>> carried_flow(momentum_term=1.5, gradient_scale=0.5)
+    -3.0
+    >>> predicted_entropy_change(1e-3, 1.0, applied_net=3.0, gradient_scale=0.5, momentum_term=1.5)
+    0.0
+    """
+    return -momentum_term / (gradient_scale * clip)
+
+
 def relative_error(estimate: float, exact: float) -> float:
     """|estimate - exact| / |exact| (inf when exact is 0 and estimate is not)."""
     if exact == 0.0:

@@ -259,7 +259,10 @@ def plot_runs(
                     label = f"{name} (n={n})"
                 ax.plot(steps, mean, color=color, linestyle=_LINESTYLES[k % len(_LINESTYLES)], label=label, lw=1.5)
                 if n > 1:
-                    ax.fill_between(steps, mean - std, mean + std, color=color, alpha=0.15, lw=0)
+                    lower = mean - std
+                    if panel.yscale == "log":  # a band reaching 0 or below has no log-scale picture: leave a gap
+                        lower = np.where(lower > 0, lower, np.nan)
+                    ax.fill_between(steps, lower, mean + std, color=color, alpha=0.15, lw=0)
                 if metric not in plotted:
                     plotted.append(metric)
         if "entropy_flow/lambda" in panel.metrics or panel.optional:

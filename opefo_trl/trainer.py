@@ -59,6 +59,7 @@ from .param_flow import (  # noqa: E402
     FD_RELATIVE_STEPS,
     adam_momentum_term,
     adam_preconditioner_,
+    carried_flow,
     evaluate_on_both_sides,
     finite_difference_step,
     global_norm,
@@ -141,6 +142,7 @@ class OPEFOTrainer(GRPOTrainer):
         self._step_batches: list[dict] = []  # the step's micro-batches, kept for the audit
         self._applied_net = None  # the last step's applied net flow, reduced (for predicted_delta)
         self._param_prediction: dict | None = None  # how the next optimizer step scales the flow (param estimate)
+        self._carried_flow = 0.0  # flow the next step carries besides the batch's (param estimate, Adam momentum)
         self._pre_clip_grad_norm: float | None = None
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._refuse_unsupported_setup()
@@ -415,11 +417,11 @@ class OPEFOTrainer(GRPOTrainer):
             )
         whole = TokenBatch(
             **{
-                f.name: None
-                if getattr(token_batches[0], f.name) is None
-                else torch.cat([getattr(b, f.name) for b in token_batches])
+                f.name: torch.cat([getattr(b, f.name) for b in token_batches])
                 for f in dataclasses.fields(TokenBatch)
-            }
+                if isinstance(getattr(token_batches[0], f.name), torch.Tensor)
+            },
+            carried_flow=self._carried_flow if self.flow_estimate == "param" else 0.0,
         )
         weights = self.token_method.rollout_weights(whole, self._reduce_sum)
         if weights is not None:
@@ -512,11 +514,13 @@ class OPEFOTrainer(GRPOTrainer):
         for g in entropy_grad:
             g.copy_(self._reduce_sum(g))
         self._param_prediction = {"gradient_scale": 1.0, "momentum_term": 0.0}
+        self._carried_flow = 0.0
         direction = entropy_grad
         if adam:
             # Memory: the loss gradient becomes Adam's preconditioner and then the direction D grad Hbar, in place.
             for g in loss_grad:
                 g.copy_(self._reduce_sum(g))
+            clip = 1.0  # of the unweighted gradient: the reweighted one's norm is known only after the backward
             if self.args.max_grad_norm:
                 clip = min(1.0, self.args.max_grad_norm / (global_norm(loss_grad) + 1e-6))
                 for g in loss_grad:
@@ -527,6 +531,7 @@ class OPEFOTrainer(GRPOTrainer):
                 "gradient_scale": gradient_scale,
                 "momentum_term": adam_momentum_term(self.optimizer, params, direction),
             }
+            self._carried_flow = carried_flow(self._param_prediction["momentum_term"], gradient_scale, clip)
         exact = inner(entropy_grad, direction)  # d Hbar / d e along the direction, from the gradient
         del entropy_grad  # (for the Adam preconditioner; else it is the direction)
         if exact == 0.0:  # no entropy gradient: no token moves Hbar to first order

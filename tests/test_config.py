@@ -40,6 +40,15 @@ def config(**overrides):
         (dict(entropy_flow_estimate="full", fsdp="full_shard"), "not supported under FSDP"),
         (dict(entropy_flow_estimate="param", fsdp="full_shard"), "not supported under FSDP"),
         (dict(entropy_flow_estimate="param", deepspeed={"zero_optimization": {"stage": 2}}), "DeepSpeed"),
+        # The step balance needs the momentum term, which only `param` with the Adam preconditioner measures.
+        (dict(opefo_balance="step"), r"opefo_balance='step'.*entropy_flow_estimate='opefo'.*Set entropy_flow_es"),
+        (
+            dict(opefo_balance="step", entropy_flow_estimate="param", entropy_flow_preconditioner="none"),
+            r"entropy_flow_preconditioner='none'",
+        ),
+        (dict(opefo_balance="step", opefo_lambda=0.001), "fixed opefo_lambda"),
+        (dict(opefo_balance="moment"), "Unknown opefo_balance 'moment'"),
+        (dict(method="grpo", opefo_balance="step"), r"opefo_balance='step' is a setting of method='opefo'"),
     ],
 )
 def test_bad_settings_fail_at_configuration_time(overrides, match):

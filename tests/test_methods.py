@@ -234,6 +234,39 @@ def test_opefo_balances_the_factor_weighted_flow():
     assert abs(unweighted.item()) > 1e-3 * gross.item()
 
 
+def test_opefo_step_balance_offsets_the_carried_flow():
+    batch = _batch(seed=8)
+    gross = (batch.factor * batch.flow.abs()).double().sum().item()
+    for carried in (0.05 * gross, -0.05 * gross):
+        batch.carried_flow = carried
+        method = OPEFO(opefo_balance="step")
+        weights = method.rollout_weights(batch)
+        applied = (batch.factor * weights * batch.flow).double().sum().item()
+        assert applied + carried == pytest.approx(0.0, abs=1e-6 * gross)  # the whole step's net flow is 0
+        method.on_optimizer_step()
+        metrics = method.pop_metrics()
+        assert metrics["opefo/carried_flow"] == carried
+        assert metrics["opefo/weighted_net"] == pytest.approx(-carried, abs=1e-6 * gross)
+        assert metrics["opefo/lambda"] == pytest.approx(flow_stats(batch.flow, batch.factor).lambda_star.item())
+    # the paper's balance ignores the carried flow
+    torch.testing.assert_close(OPEFO().rollout_weights(batch), OPEFO(opefo_balance="step").rollout_weights(
+        dataclasses.replace(batch, carried_flow=0.0)
+    ))  # fmt: skip
+
+
+def test_opefo_step_balance_clamps_a_carried_flow_beyond_the_batch():
+    """Weights must stay >= 0: a carried flow larger than the batch's gross flow gets lambda = +/-1 (offset in
+    part)."""
+    batch = _batch(seed=8)
+    gross = (batch.factor * batch.flow.abs()).double().sum().item()
+    for carried, lam in ((-10 * gross, 1.0), (10 * gross, -1.0)):
+        method = OPEFO(opefo_balance="step")
+        weights = method.rollout_weights(dataclasses.replace(batch, carried_flow=carried))
+        method.on_optimizer_step()
+        assert method.pop_metrics()["opefo/lambda_applied"] == lam
+        assert weights.min() >= 0.0
+
+
 def test_opefo_needs_the_flow():
     batch = _batch()
     batch.flow = None

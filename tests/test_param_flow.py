@@ -5,10 +5,11 @@ change (docs/algorithm.md section 4)."""
 import pytest
 import torch
 
-from opefo_trl.entropy_flow import entropy_flow, flow_stats, token_weights
+from opefo_trl.entropy_flow import entropy_flow, flow_stats, lambda_star, token_weights
 from opefo_trl.param_flow import (
     adam_momentum_term,
     adam_preconditioner_,
+    carried_flow,
     evaluate_on_both_sides,
     finite_difference_step,
     inner,
@@ -149,53 +150,106 @@ def test_opefo_with_the_param_flow_cancels_the_measured_change_of_an_sgd_step(ne
     assert min(ratios) >= 20, ratios
 
 
-def test_opefo_with_the_adam_preconditioned_flow_cancels_a_real_adamw_step(network):
-    """AdamW without momentum (beta1 = 0; momentum carries earlier batches' flow, which no reweighting of this batch
-    can cancel), after a few steps on other batches: the measured change of the real update shrinks >= 20x."""
-    model = network
-    params = _params(model)
-    saved = [p.detach().clone() for p in params]
-    try:
-        optimizer = torch.optim.AdamW(params, lr=1e-5, betas=(0.0, 0.999), weight_decay=0.0)
-        for seed in range(100, 140):  # some history in the second moments
+class _AdamWFromHistory:
+    """A real torch AdamW after 40 steps on other batches (history in both moments), and the measured mean-entropy
+    change of its next step on one batch from that same state, for any token weights."""
+
+    def __init__(self, model, betas, lr=1e-5):
+        self.model, self.params, self.lr = model, _params(model), lr
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas, weight_decay=0.0)
+        for seed in range(100, 140):
             sequences, advantages, factor = _rollout(model, seed)
-            optimizer.zero_grad()
+            self.optimizer.zero_grad()
             (-_objective(model, sequences, advantages, factor)).backward()
-            optimizer.step()
-        state = {p: {k: v.clone() for k, v in optimizer.state[p].items()} for p in params}
-        start = [p.detach().clone() for p in params]
-        sequences, advantages, factor = _rollout(model, seed=20)
+            self.optimizer.step()
+        self.state = {p: {k: v.clone() for k, v in self.optimizer.state[p].items()} for p in self.params}
+        self.start = [p.detach().clone() for p in self.params]
+        self.sequences, self.advantages, self.factor = _rollout(model, seed=20)
 
-        def adamw_step(weights):
-            """Measured mean-entropy change of one real AdamW step from the same state; returns it and restores."""
-            with torch.no_grad():
-                for p, s in zip(params, start, strict=True):
-                    p.copy_(s)
-            for p in params:
-                optimizer.state[p] = {k: v.clone() for k, v in state[p].items()}
-            before = float(_mean_entropy(model, sequences))
-            optimizer.zero_grad()
-            (-_objective(model, sequences, advantages, factor, weights)).backward()
-            optimizer.step()
-            return float(_mean_entropy(model, sequences)) - before
-
-        preconditioner = list(torch.autograd.grad(-_objective(model, sequences, advantages, factor), params))
-        gradient_scale = adam_preconditioner_(optimizer, params, preconditioner)
-        entropy_gradient = torch.autograd.grad(_mean_entropy(model, sequences), params)
-        direction = [g * d for g, d in zip(entropy_gradient, preconditioner, strict=True)]
-        flow = entropy_flow(
-            *_score(model, sequences), advantages, "param", entropy_alignment=_alignment(model, sequences, direction)
-        ).double()
-        grpo = adamw_step(None)
-        predicted = predicted_entropy_change(1e-5, 1.0, float((factor * flow).sum()), gradient_scale)
-        assert relative_error(predicted, grpo) < 0.1
-        weights = token_weights(flow, flow_stats(flow, factor).lambda_star).double()
-        opefo = adamw_step(weights)
-        assert abs(grpo) >= 20 * abs(opefo), (grpo, opefo)
-    finally:
+    def restore(self):
         with torch.no_grad():
-            for p, s in zip(params, saved, strict=True):
+            for p, s in zip(self.params, self.start, strict=True):
                 p.copy_(s)
+        for p in self.params:
+            self.optimizer.state[p] = {k: v.clone() for k, v in self.state[p].items()}
+
+    def flow(self):
+        """The `param` flow with the Adam preconditioner, its gradient scale and the momentum term, as the trainer
+        computes them before the step (the optimizer's state is read, not changed)."""
+        model, sequences = self.model, self.sequences
+        preconditioner = list(
+            torch.autograd.grad(-_objective(model, sequences, self.advantages, self.factor), self.params)
+        )
+        gradient_scale = adam_preconditioner_(self.optimizer, self.params, preconditioner)
+        entropy_gradient = torch.autograd.grad(_mean_entropy(model, sequences), self.params)
+        direction = [g * d for g, d in zip(entropy_gradient, preconditioner, strict=True)]
+        alignment = _alignment(model, sequences, direction)
+        flow = entropy_flow(*_score(model, sequences), self.advantages, "param", entropy_alignment=alignment).double()
+        return flow, gradient_scale, adam_momentum_term(self.optimizer, self.params, direction)
+
+    def measured_change(self, weights=None):
+        """Measured mean-entropy change of one real AdamW step from the saved state; restores it afterwards."""
+        self.restore()
+        before = float(_mean_entropy(self.model, self.sequences).detach())
+        self.optimizer.zero_grad()
+        (-_objective(self.model, self.sequences, self.advantages, self.factor, weights)).backward()
+        self.optimizer.step()
+        change = float(_mean_entropy(self.model, self.sequences).detach()) - before
+        self.restore()
+        return change
+
+
+@pytest.fixture
+def restored_network(network):
+    saved = [p.detach().clone() for p in _params(network)]
+    yield network
+    with torch.no_grad():
+        for p, s in zip(_params(network), saved, strict=True):
+            p.copy_(s)
+
+
+def test_opefo_with_the_adam_preconditioned_flow_cancels_a_real_adamw_step(restored_network):
+    """AdamW without momentum (beta1 = 0), after 40 steps on other batches: this batch's balance is the whole step's,
+    and the measured change of the real update shrinks >= 20x."""
+    adamw = _AdamWFromHistory(restored_network, betas=(0.0, 0.999))
+    flow, gradient_scale, momentum = adamw.flow()
+    assert momentum == 0.0 and gradient_scale == 1.0
+    factor = adamw.factor
+    grpo = adamw.measured_change()
+    predicted = predicted_entropy_change(adamw.lr, 1.0, float((factor * flow).sum()), gradient_scale)
+    assert relative_error(predicted, grpo) < 0.1
+    opefo = adamw.measured_change(token_weights(flow, flow_stats(flow, factor).lambda_star).double())
+    assert abs(grpo) >= 20 * abs(opefo), (grpo, opefo)
+
+
+def test_step_balance_cancels_a_real_adamw_step_with_momentum(restored_network):
+    """AdamW with its default betas (0.9, 0.999): this batch's gradient is a tenth of the step and the momentum
+    carries the rest. Balancing the batch (the paper's lambda*) leaves the momentum's share, as predicted;
+    opefo_balance='step' (lambda* with the carried flow) cancels the whole step's measured change >= 20x."""
+    adamw = _AdamWFromHistory(restored_network, betas=(0.9, 0.999))
+    flow, gradient_scale, momentum = adamw.flow()
+    factor, lr = adamw.factor, adamw.lr
+    stats = flow_stats(flow, factor)
+    assert gradient_scale == pytest.approx(0.1 / (1 - 0.9**41))
+
+    def predicted(weights):
+        return predicted_entropy_change(lr, 1.0, float((factor * weights * flow).sum()), gradient_scale, momentum)
+
+    grpo = adamw.measured_change()
+    assert relative_error(predicted(torch.ones_like(flow)), grpo) < 0.1  # the momentum term included
+
+    batch_weights = token_weights(flow, stats.lambda_star).double()
+    batch = adamw.measured_change(batch_weights)
+    assert abs(momentum * lr) > 0.2 * abs(grpo)  # the momentum carries a sizeable share of the change...
+    assert relative_error(predicted(batch_weights), batch) < 0.1  # ...which the batch balance leaves: -lr * momentum
+    assert predicted(batch_weights) == pytest.approx(-lr * momentum, rel=1e-6)
+
+    lam = lambda_star(stats.increase, stats.decrease, carried_flow(momentum, gradient_scale))
+    assert -1.0 < float(lam) < 1.0, "the carried flow must be within this batch's reach for an exact balance"
+    step_weights = token_weights(flow, lam).double()
+    assert abs(predicted(step_weights)) <= 1e-6 * abs(predicted(torch.ones_like(flow)))
+    step = adamw.measured_change(step_weights)
+    assert abs(grpo) >= 20 * abs(step) and abs(batch) >= 5 * abs(step), (grpo, batch, step)
 
 
 @pytest.mark.parametrize("amsgrad", [False, True])

@@ -653,6 +653,35 @@ def test_param_predicted_entropy_change_matches_the_measured_one_and_opefo_cance
     assert abs(grpo_measured[0]) >= 20 * abs(opefo_measured[0]), (grpo_measured[0], opefo_measured[0])
 
 
+def test_step_balance_predicts_no_entropy_change_for_the_whole_adamw_step(
+    warm_model_path, tiny_dataset, length_reward, tmp_path
+):
+    """AdamW with momentum: the paper's batch balance predicts the change Adam's momentum carries (nonzero from the
+    second step); opefo_balance='step' offsets it, so the whole step's predicted change is ~0."""
+    runs = {}
+    for balance in ("batch", "step"):
+        args = make_config(
+            tmp_path, entropy_flow_estimate="param", opefo_balance=balance, learning_rate=1e-4, max_steps=3,
+            entropy_flow_audit_steps=1, lr_scheduler_type="constant", max_grad_norm=1e9,
+        )  # fmt: skip
+        trainer = make_trainer(warm_model_path, tiny_dataset, length_reward, args)
+        trainer.train()
+        runs[balance] = trainer
+    batch_predicted = logged(runs["batch"], "entropy_flow/predicted_delta")
+    step_predicted = logged(runs["step"], "entropy_flow/predicted_delta")
+    carried = logged(runs["step"], "opefo/carried_flow")
+    assert len(step_predicted) == len(carried) == 3
+    assert carried[0] == 0.0 and all(c != 0.0 for c in carried[1:])  # no momentum before the first step
+    assert "opefo/carried_flow" not in runs["batch"].state.log_history[0]
+    increase, decrease = logged(runs["step"], "entropy_flow/increase"), logged(runs["step"], "entropy_flow/decrease")
+    gross = [p + n for p, n in zip(increase, decrease, strict=True)]
+    for net, c, g in zip(logged(runs["step"], "opefo/weighted_net"), carried, gross, strict=True):
+        assert abs(net + c) <= 1e-5 * g
+    assert all(abs(p) > 1e-7 for p in batch_predicted[1:])
+    for p, reference in zip(step_predicted[1:], batch_predicted[1:], strict=True):
+        assert abs(p) <= 1e-3 * abs(reference), (step_predicted, batch_predicted)
+
+
 def test_param_trains_under_bf16_autocast(train, tmp_path):
     trainer = train(make_config(tmp_path, entropy_flow_estimate="param", bf16=True, max_steps=1))
     assert logged(trainer, "entropy_flow/param_check_error")[0] < 0.05
