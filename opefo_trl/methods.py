@@ -315,7 +315,8 @@ class OPEFO(TokenMethod):
             f"from balanced: in the OPEFO paper lambda* stays around 2.5e-4..1.75e-3 (net flow ~0.1% of the gross), "
             f"while here tokens are reweighted by 1 +/- {mean:.2f}, which can fight the learning signal instead of "
             "gently correcting it. Check what the updates really do with entropy_flow_audit_steps=1 (logs "
-            "entropy_flow/measured_delta), and try the exact estimate entropy_flow_estimate='param'. "
+            "entropy_flow/measured_delta), and try the exact estimate entropy_flow_estimate='param' with "
+            "opefo_balance='step'. "
             "docs/algorithm.md ('The regime') explains when OPEFO applies."
         )
 

@@ -64,6 +64,10 @@ def main(model_path: str, out_dir: str, accumulation: str, estimate: str) -> Non
     rank = trainer.accelerator.process_index
     assert trainer.accelerator.num_processes == 2, "expected two processes"
     torch.save(records, os.path.join(out_dir, f"rank{rank}.pt"))
+    # Tear the gloo group down before the interpreter exits: left to exit-time destructors, a rank has been seen to
+    # abort ("terminate called without an active exception") after its work was done.
+    trainer.accelerator.wait_for_everyone()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
