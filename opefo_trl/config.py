@@ -208,6 +208,12 @@ def validate_opefo_settings(args) -> None:
             compiled=args.torch_compile,
         )
     reasons = _off_policy_reasons(args)
+    if reasons and getattr(args, "opefo_balance", "batch") == "step":
+        raise ValueError(
+            f"opefo_balance='step' offsets the momentum of the one optimizer step its rollout batch is used for, but "
+            f"this configuration has {' and '.join(reasons)}; allow_off_policy does not extend to it. Set "
+            "num_iterations=1 and leave steps_per_generation unset, or use opefo_balance='batch'."
+        )
     if reasons and method_class.on_policy_only and not args.allow_off_policy:
         raise ValueError(
             f"method={args.method!r} is strictly on-policy: lambda* is computed over one rollout batch and applied in "

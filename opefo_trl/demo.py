@@ -44,7 +44,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -212,19 +212,24 @@ class DemoSettings:
 
     Example:
         >>> settings = DemoSettings(methods=["grpo", "opefo"], seeds=[0, 1], steps=30)
-        >>> settings.hidden_size, settings.steps, settings.as_quick().seeds
-        (64, 30, [0])
+        >>> settings.hidden_size, settings.steps, DemoSettings(quick=True).seeds, DemoSettings(quick=True).steps
+        (64, 30, [0], 20)
     """
 
     output_dir: str = _setting("runs/demo", "Where models, runs, curves.png and summary.md go.")
     task: str = _setting("digit_sum", f"Synthetic task: {', '.join(TASKS)}.")
-    quick: bool = _setting(False, "CI mode: one seed, a shorter warm start and fewer RL steps.")
+    quick: bool = _setting(
+        False,
+        "CI mode: by default one seed, half the task's warm start and a third of its RL steps (values given "
+        "explicitly are kept).",
+    )
     methods: list[str] = field(
         default_factory=lambda: ["grpo", "opefo", "opefo_param", "entropy_reg"],
         metadata={"help": f"Methods to compare, among {list(METHOD_NAMES)}."},
     )
-    seeds: list[int] = field(
-        default_factory=lambda: [0, 1, 2], metadata={"help": "RL seeds; every method runs with each of them."}
+    seeds: list[int] | None = field(
+        default=None,
+        metadata={"help": "RL seeds; every method runs with each of them. Default: 0 1 2 (0 with --quick)."},
     )
     hidden_size: int | None = _task_setting("Hidden size of the tiny Qwen2 model.")
     num_layers: int | None = _task_setting("Layers of the tiny Qwen2 model.")
@@ -252,18 +257,15 @@ class DemoSettings:
     def __post_init__(self):
         if self.task not in TASKS:
             raise ValueError(f"Unknown task {self.task!r}; choose one of {list(TASKS)}.")
-        for name, value in TASKS[self.task].defaults.items():
+        defaults = {**TASKS[self.task].defaults, "seeds": [0, 1, 2]}
+        if self.quick:
+            defaults.update(
+                seeds=[0], warm_start_steps=defaults["warm_start_steps"] // 2, steps=max(2, defaults["steps"] // 3)
+            )
+        for name, value in defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
         self.validate()
-
-    def as_quick(self) -> DemoSettings:
-        """The CI setting of the same task: one seed, a shorter warm start, a third of the RL steps."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        values.update(
-            quick=False, seeds=[0], warm_start_steps=self.warm_start_steps // 2, steps=max(2, self.steps // 3)
-        )
-        return DemoSettings(**values)
 
     def validate(self) -> None:
         """Raise ValueError for a setting that cannot work, before any model is built or trained."""
@@ -785,8 +787,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         (settings,) = parse_options(parser, argv)
-        if settings.quick:
-            settings = settings.as_quick()
     except INPUT_ERRORS as err:
         return report_error(parser.prog, err)
     # Keep the console to the demo's progress lines: transformers' per-load progress bars and deprecation notices

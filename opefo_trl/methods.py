@@ -244,6 +244,11 @@ class OPEFOSettings:
             raise ValueError(
                 "opefo_balance='step' chooses lambda every step, which a fixed opefo_lambda overrides. Remove one."
             )
+        if self.opefo_balance == "step" and self.opefo_sides != "both":
+            raise ValueError(
+                f"opefo_balance='step' solves for lambda with both sets rescaled, so opefo_sides={self.opefo_sides!r} "
+                "would not balance the step. Use opefo_sides='both', or opefo_balance='batch' for the paper's ablation."
+            )
         if self.opefo_lambda is not None and not -1.0 <= self.opefo_lambda <= 1.0:
             raise ValueError(
                 "opefo_lambda must lie in [-1, 1] (token weights 1 +/- lambda must stay >= 0); "
@@ -274,6 +279,7 @@ class OPEFO(TokenMethod):
         self._recent_lambdas: deque[float] = deque(maxlen=self.REGIME_WINDOW)
         self._rollout_metrics: dict[str, float] = {}
         self._warned = False
+        self._clamp_warned = False
 
     def rollout_weights(self, batch: TokenBatch, reduce_sum: ReduceSum = _identity) -> torch.Tensor:
         if batch.flow is None:
@@ -285,7 +291,16 @@ class OPEFO(TokenMethod):
         if fixed is not None:
             lam = torch.tensor(fixed, dtype=torch.float64)
         else:  # weights 1 +/- lambda must stay >= 0: a carried flow beyond the batch's reach is offset in part
-            lam = lambda_star(stats.increase, stats.decrease, carried).clamp(-1.0, 1.0)
+            unclamped = lambda_star(stats.increase, stats.decrease, carried)
+            lam = unclamped.clamp(-1.0, 1.0)
+            if step and abs(float(unclamped)) > 1.0 and not self._clamp_warned:
+                self._clamp_warned = True
+                warnings.warn(
+                    "opefo_balance='step': offsetting the flow Adam's momentum carries needs lambda="
+                    f"{float(unclamped):.3g}, beyond [-1, 1]; lambda is clamped and this step is only partly balanced "
+                    "(warned once; opefo/lambda_applied logs the lambda used, opefo/carried_flow the flow to offset).",
+                    stacklevel=2,
+                )
         weights = token_weights(batch.flow, lam.float(), self.settings.opefo_sides)
         weighted = FlowStats.from_tensor(reduce_sum(flow_stats(batch.flow * weights, batch.factor).to_tensor()))
         self._recent_lambdas.append(abs(float(stats.lambda_star)))
@@ -309,15 +324,18 @@ class OPEFO(TokenMethod):
         if mean <= self.settings.opefo_lambda_warn:
             return None
         self._warned = True
+        if self.settings.opefo_balance == "step":
+            advice = ", and compare it with method='grpo' on the same data before trusting the balance."
+        else:
+            advice = ", and try the exact estimate entropy_flow_estimate='param' with opefo_balance='step'."
         return (
             f"OPEFO: |lambda*| averaged over the last {self.REGIME_WINDOW} optimizer steps is {mean:.3g} "
             f"(> opefo_lambda_warn={self.settings.opefo_lambda_warn:g}). The entropy flow of these batches is far "
             f"from balanced: in the OPEFO paper lambda* stays around 2.5e-4..1.75e-3 (net flow ~0.1% of the gross), "
-            f"while here tokens are reweighted by 1 +/- {mean:.2f}, which can fight the learning signal instead of "
-            "gently correcting it. Check what the updates really do with entropy_flow_audit_steps=1 (logs "
-            "entropy_flow/measured_delta), and try the exact estimate entropy_flow_estimate='param' with "
-            "opefo_balance='step'. "
-            "docs/algorithm.md ('The regime') explains when OPEFO applies."
+            f"while balancing a batch here takes token weights of 1 +/- {mean:.2f}, which can fight the learning "
+            "signal instead of gently correcting it. Check what the updates really do with "
+            f"entropy_flow_audit_steps=1 (logs entropy_flow/measured_delta){advice} docs/algorithm.md ('The regime') "
+            "explains when OPEFO applies."
         )
 
 

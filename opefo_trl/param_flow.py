@@ -113,8 +113,12 @@ def adam_preconditioner_(
     matters: early in training, and for parameters such as the embedding rows of rare tokens, g_t^2 dominates v_t).
     In place, so that the estimate costs no memory beyond the gradient buffer. Raises ValueError for an optimizer
     without Adam's moments.
+
+    The returned weight is that of the parameters Adam has stepped most often (torch's AdamW steps every parameter
+    that has a gradient, so normally all of them); a parameter whose first gradient comes later really gets weight
+    1 on its first step, an approximation this single scale does not capture.
     """
-    gradient_scale = 1.0
+    scales = [1.0]
     for p, g in zip(params, gradient, strict=True):
         group, state = _adam_group(optimizer, p)
         (beta1, beta2), eps = group["betas"], group["eps"]
@@ -125,8 +129,8 @@ def adam_preconditioner_(
             if group.get("amsgrad"):
                 torch.maximum(v, state["max_exp_avg_sq"].float(), out=v)
         v.div_(1 - beta2**step).sqrt_().add_(eps).reciprocal_()
-        gradient_scale = (1 - beta1) / (1 - beta1**step)
-    return gradient_scale
+        scales.append((1 - beta1) / (1 - beta1**step))
+    return min(scales)  # (1 - beta1) / (1 - beta1^t) falls with t: the most-stepped parameters
 
 
 @torch.no_grad()

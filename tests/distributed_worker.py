@@ -13,7 +13,7 @@ from opefo_trl import OPEFOConfig, OPEFOTrainer
 MICRO_BATCH_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "num_items_in_batch")
 
 
-def main(model_path: str, out_dir: str, accumulation: str, estimate: str) -> None:
+def main(model_path: str, out_dir: str, accumulation: str, estimate: str, balance: str = "batch") -> None:
     rows = [{"prompt": [{"role": "user", "content": f"What is {i} + {2 * i}?"}]} for i in range(16)]
     args = OPEFOConfig(
         output_dir=os.path.join(out_dir, "run"),
@@ -30,6 +30,7 @@ def main(model_path: str, out_dir: str, accumulation: str, estimate: str) -> Non
         seed=0,
         disable_tqdm=True,
         entropy_flow_estimate=estimate,
+        opefo_balance=balance,
     )
     trainer = OPEFOTrainer(
         model=model_path, reward_funcs=length_reward, args=args, train_dataset=Dataset.from_list(rows)
@@ -71,4 +72,4 @@ def main(model_path: str, out_dir: str, accumulation: str, estimate: str) -> Non
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])

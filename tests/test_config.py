@@ -49,6 +49,11 @@ def config(**overrides):
         (dict(opefo_balance="step", opefo_lambda=0.001), "fixed opefo_lambda"),
         (dict(opefo_balance="moment"), "Unknown opefo_balance 'moment'"),
         (dict(method="grpo", opefo_balance="step"), r"opefo_balance='step' is a setting of method='opefo'"),
+        (dict(opefo_balance="step", entropy_flow_estimate="param", opefo_sides="increase_only"), "opefo_sides='both'"),
+        (
+            dict(opefo_balance="step", entropy_flow_estimate="param", num_iterations=2, allow_off_policy=True),
+            r"opefo_balance='step'.*num_iterations=2.*allow_off_policy does not extend",
+        ),
     ],
 )
 def test_bad_settings_fail_at_configuration_time(overrides, match):

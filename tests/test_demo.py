@@ -55,7 +55,7 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert [(r["method"], r["seed"]) for r in summary["runs"]] == [(name, 0) for name in default_methods]
     assert summary["settings"]["task"] == "digit_sum" and summary["settings"]["seeds"] == [0]
-    assert summary["settings"]["warm_start_steps"] == 60  # --quick halves the warm start
+    assert summary["settings"]["quick"] and summary["settings"]["warm_start_steps"] == 120  # explicit values kept
     grpo_first = json.loads((out / "runs" / "grpo-seed0" / "trainer_state.json").read_text())["log_history"][0]
     for run in summary["runs"]:
         name = run["method"]
@@ -230,12 +230,16 @@ def test_bad_arguments_fail_before_any_work(tmp_path, capsys):
 
 def test_task_defaults_and_quick_budget():
     default, summed = DemoSettings(), DemoSettings(task="sum")
-    assert default.task == "digit_sum" and len(default.seeds) >= 3
+    assert default.task == "digit_sum" and default.seeds == [0, 1, 2]
     for settings in (default, summed):
         for name, value in TASKS[settings.task].defaults.items():
             assert getattr(settings, name) == value
     assert DemoSettings(steps=7).steps == 7  # an explicit value wins over the task's
-    quick = default.as_quick()
-    assert quick.seeds == [0] and quick.steps < default.steps and quick.warm_start_steps < default.warm_start_steps
-    assert quick.methods == default.methods and not quick.quick
+    quick = DemoSettings(quick=True)
+    assert quick.seeds == [0] and quick.methods == default.methods
+    assert quick.steps == default.steps // 3 and quick.warm_start_steps == default.warm_start_steps // 2
+    # with --quick, values given explicitly are kept
+    explicit = DemoSettings(quick=True, seeds=[0, 1, 2], steps=30, warm_start_steps=50)
+    assert (explicit.seeds, explicit.steps, explicit.warm_start_steps) == ([0, 1, 2], 30, 50)
     assert set(METHOD_NAMES) >= {"grpo", "opefo", "opefo_param", "entropy_reg", "opefo_full", "clip_cov", "par"}
+    assert "opefo_param_step" in METHOD_NAMES

@@ -11,14 +11,14 @@ import torch
 from opefo_trl.entropy_flow import flow_stats
 
 
-def _run_two_ranks(model_path, tmp_path, accumulation, estimate):
+def _run_two_ranks(model_path, tmp_path, accumulation, estimate, balance="batch"):
     worker = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     with socket.socket() as probe:  # a free port, so that parallel runs do not collide
         probe.bind(("127.0.0.1", 0))
         port = str(probe.getsockname()[1])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port, worker]
-    cmd += [model_path, str(tmp_path), accumulation, estimate]
+    cmd += [model_path, str(tmp_path), accumulation, estimate, balance]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
@@ -98,3 +98,16 @@ def test_param_lambda_star_of_two_ranks_is_the_single_process_one(tiny_model_pat
     # forwards: measured 0.1-0.2%, median 3e-5); lambda* = net / gross inherits that as an absolute error.
     single_lambda = trainer.token_method._rollout_metrics["opefo/lambda"]
     assert single_lambda == pytest.approx(first[0]["opefo/lambda"], abs=2e-3)
+
+
+def test_step_balance_offsets_the_same_carried_flow_on_every_rank(tiny_model_path, tmp_path):
+    """The carried flow comes from all-reduced gradients and replicated Adam state: both ranks offset the same C
+    (0 before the first optimizer step) with the same lambda."""
+    ranks = _run_two_ranks(tiny_model_path, tmp_path, "1", "param", "step")
+    for step in range(2):
+        local = [ranks[r][step] for r in range(2)]
+        for key in ("opefo/carried_flow", "opefo/lambda_applied", "opefo/weighted_net"):
+            assert local[0][key] == local[1][key], key
+        gross = sum(abs(b["factor"] * b["flow"]).sum().item() for b in local)
+        assert abs(local[0]["opefo/weighted_net"] + local[0]["opefo/carried_flow"]) <= 1e-5 * gross
+    assert ranks[0][0]["opefo/carried_flow"] == 0.0 and ranks[0][1]["opefo/carried_flow"] != 0.0

@@ -261,10 +261,14 @@ def test_opefo_step_balance_clamps_a_carried_flow_beyond_the_batch():
     gross = (batch.factor * batch.flow.abs()).double().sum().item()
     for carried, lam in ((-10 * gross, 1.0), (10 * gross, -1.0)):
         method = OPEFO(opefo_balance="step")
-        weights = method.rollout_weights(dataclasses.replace(batch, carried_flow=carried))
+        with pytest.warns(UserWarning, match=r"lambda is clamped and this step is only partly balanced"):
+            weights = method.rollout_weights(dataclasses.replace(batch, carried_flow=carried))
         method.on_optimizer_step()
         assert method.pop_metrics()["opefo/lambda_applied"] == lam
         assert weights.min() >= 0.0
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            method.rollout_weights(dataclasses.replace(batch, carried_flow=carried))  # warned once
 
 
 def test_opefo_needs_the_flow():

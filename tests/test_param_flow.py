@@ -252,6 +252,19 @@ def test_step_balance_cancels_a_real_adamw_step_with_momentum(restored_network):
     assert abs(grpo) >= 20 * abs(step) and abs(batch) >= 5 * abs(step), (grpo, batch, step)
 
 
+def test_adam_gradient_scale_is_that_of_the_stepped_parameters_whatever_their_order():
+    used, unused = torch.zeros(3, requires_grad=True), torch.zeros(2, requires_grad=True)
+    optimizer = torch.optim.AdamW([used, unused], lr=1e-3, betas=(0.9, 0.999))
+    for _ in range(4):  # only `used` gets gradients: `unused` has no Adam state yet
+        optimizer.zero_grad()
+        used.sum().backward()
+        optimizer.step()
+    expected = 0.1 / (1 - 0.9**5)
+    for order in ([used, unused], [unused, used]):
+        gradient = [torch.ones_like(p) for p in order]
+        assert adam_preconditioner_(optimizer, order, gradient) == pytest.approx(expected)
+
+
 @pytest.mark.parametrize("amsgrad", [False, True])
 def test_the_adam_view_reproduces_the_torch_adamw_update(amsgrad):
     """Along any probe r, AdamW's next update is -lr * (gradient_scale * <r, D g> + <r D, momentum>), with D and the

@@ -680,6 +680,9 @@ def test_step_balance_predicts_no_entropy_change_for_the_whole_adamw_step(
     assert all(abs(p) > 1e-7 for p in batch_predicted[1:])
     for p, reference in zip(step_predicted[1:], batch_predicted[1:], strict=True):
         assert abs(p) <= 1e-3 * abs(reference), (step_predicted, batch_predicted)
+    # The measured change is not compared here: in Adam's first steps this batch's g_t^2 dominates v_t, the update
+    # is close to sign(g_t) and no first-order balance holds (docs/algorithm.md section 4). tests/test_param_flow.py
+    # measures the step balance on a real AdamW step after 40 steps of history.
 
 
 def test_param_trains_under_bf16_autocast(train, tmp_path):
