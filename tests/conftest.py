@@ -11,6 +11,14 @@ import pytest
 
 
 @pytest.fixture(scope="session")
+def keep_dtype_rms_norm():
+    """``keep_dtype_rms_norm(model) -> model``: a Qwen2 in float64 stays float64 through its RMSNorms."""
+    from opefo_trl.tiny import keep_rms_norm_in_model_dtype
+
+    return keep_rms_norm_in_model_dtype
+
+
+@pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):
     """Path of a saved random tiny Qwen2 model (hidden 64, 2 layers) with its tokenizer."""
     from opefo_trl.tiny import build_tiny_model
@@ -65,3 +73,12 @@ def bench_file(tmp_path_factory):
     """A local benchmark `arith.jsonl` in opefo-eval's default columns: 4 problems, i + (i + 1) with gold 2i + 1."""
     rows = [{"problem": f"What is {i} + {i + 1}?", "answer": str(2 * i + 1)} for i in range(4)]
     return _write_jsonl(tmp_path_factory.mktemp("bench") / "arith.jsonl", rows)
+
+
+@pytest.fixture(scope="session")
+def warm_model_path(tiny_model_path, tmp_path_factory):
+    """The tiny model after a few supervised steps on fixed answers: peaked policies, away from the entropy maximum
+    (near it, a step's first-order entropy change is swamped by curvature)."""
+    from opefo_trl.tiny import warm_up_tiny_model
+
+    return warm_up_tiny_model(tiny_model_path, tmp_path_factory.mktemp("warm") / "model")
