@@ -376,6 +376,11 @@ class OPEFOTrainer(GRPOTrainer):
             )
         return Scores(logps, entropies, *self._vocab_stats_of(chunks, length))
 
+    def _score_full_precision(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log pi_t, H_t) of ``_score(batch, full_precision=True)``: the `param` estimator's scoring function."""
+        scores = self._score(batch, full_precision=True)
+        return scores.logps, scores.entropies
+
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
     ):
@@ -546,7 +551,7 @@ class OPEFOTrainer(GRPOTrainer):
         loss factor and, for the audit, the entropies before the update."""
         estimator = ParamFlowEstimator(
             self._trainable_parameters(),
-            lambda batch: (lambda scores: (scores.logps, scores.entropies))(self._score(batch, full_precision=True)),
+            self._score_full_precision,
             self._reduce_sum,
             optimizer=self._torch_optimizer(),
             max_grad_norm=self.args.max_grad_norm,
