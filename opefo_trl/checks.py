@@ -20,7 +20,7 @@ import inspect
 import math
 import numbers
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 
@@ -61,14 +61,21 @@ def _is_reward(value: Any) -> bool:
     return getattr(value, "ndim", None) == 0 and isinstance(value.item(), numbers.Real)
 
 
+def _as_list(rewards: Any) -> list | None:
+    """The rewards as a list (an array or tensor through ``tolist``, any other iterable but text or a mapping)."""
+    if isinstance(rewards, (str, bytes, Mapping)) or not isinstance(rewards, Iterable):
+        return None
+    return rewards.tolist() if hasattr(rewards, "tolist") else list(rewards)
+
+
 def reward_problem(name: str, rewards: Any, expected: int) -> str | None:
     """What is wrong with what reward function ``name`` returned for ``expected`` completions; None if nothing."""
-    if isinstance(rewards, (str, bytes, dict)) or not isinstance(rewards, Sequence) and not hasattr(rewards, "tolist"):
+    values = _as_list(rewards)
+    if not isinstance(values, list):  # (a 0-d array's tolist() is a number)
         return (
             f"Reward function {name!r} returned {rewards!r:.200} (a {type(rewards).__name__}); it must return a list "
             f"of {expected} numbers, one per completion (None leaves a completion out)."
         )
-    values = rewards.tolist() if hasattr(rewards, "tolist") else list(rewards)
     if len(values) != expected:
         return (
             f"Reward function {name!r} returned {len(values)} rewards for {expected} completions; it must return one "
@@ -127,6 +134,7 @@ class RewardCheck:
             )
             failure.__cause__ = raised
         else:
+            rewards = rewards if isinstance(rewards, Sequence) else _as_list(rewards)  # a generator is read once
             problem = reward_problem(name, rewards, self.num_completions)
             failure = None if problem is None else RewardFunctionError(problem)
         if failure is None:

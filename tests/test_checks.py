@@ -50,6 +50,9 @@ def test_good_reward_outputs_pass():
     for rewards in ([1, 0.5, None], (True, False, float("nan")), np.array([0.0, 1.0, 2.0]), torch.tensor([1.0, 0, 2])):
         assert reward_problem("r", rewards, 3) is None
     assert reward_problem("r", [np.float32(1), np.int64(0), torch.tensor(0.5)], 3) is None
+    check = RewardCheck(num_completions=3)
+    (generator_reward,) = check.wrap([lambda completions, **kwargs: (1.0 for _ in completions)], ["generator"])
+    assert generator_reward(completions="abc") == [1.0, 1.0, 1.0] and check.error is None  # read once, passed on
 
 
 def test_a_failing_function_is_named_and_later_ones_are_not_called():

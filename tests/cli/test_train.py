@@ -589,8 +589,8 @@ def test_resume_draws_the_prompts_of_an_uninterrupted_run_in_every_epoch(
 ):
     """8 problems, 4 per step: epochs of 2 steps. Resumed at an epoch boundary (checkpoint-2) and within the second
     epoch (checkpoint-3), every later step scores the prompts, in the order, and with the metrics, of the
-    uninterrupted run. (TRL's RepeatSampler alone replays epoch 1's order: 2 of 8 prompts twice in the resumed
-    epoch, 2 never.)"""
+    uninterrupted run. (With TRL's RepeatSampler alone, measured with this seed: resumed at checkpoint-2, epoch 2
+    replays epoch 1's order; resumed at checkpoint-3, epoch 2 scores 2 of the 8 prompts twice and 2 never.)"""
     (tmp_path / "opefo_cli_order_rewards.py").write_text(ORDER_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
     settings = dict(max_steps=-1, num_train_epochs=2, save_steps=1, save_total_limit=10, max_train_samples=8)
