@@ -180,9 +180,12 @@ def validate_opefo_settings(args) -> None:
     Raises ValueError naming the option and a fix that works for the object the user passed; nothing that can be
     checked without the model waits for training.
     """
-    fix_target = (
-        "this OPEFOConfig" if isinstance(args, OPEFOConfig) else "an OPEFOConfig (it takes every GRPOConfig option)"
-    )
+    if isinstance(args, OPEFOConfig):  # refused while it is built (also by opefo-train): the fix is an argument
+        grpo_fix = "`OPEFOConfig(..., method='grpo')` (opefo-train: --method grpo)"
+        off_policy_fix = "`OPEFOConfig(..., allow_off_policy=True)` (opefo-train: --allow_off_policy true)"
+    else:  # given the OPEFO options by OPEFOTrainer, which keeps the attributes set on the object
+        grpo_fix = f'set `args.method = "grpo"` on this {type(args).__name__} before passing it'
+        off_policy_fix = "set `args.allow_off_policy = True` on it"
     # GRPOConfig only rejects some of these when the first batch reaches them: fail at configuration time.
     for name, valid in TRL_CHOICES.items():
         check_choice(name, getattr(args, name), valid)
@@ -236,8 +239,7 @@ def validate_opefo_settings(args) -> None:
             f"method={args.method!r} is strictly on-policy: lambda* is computed over one rollout batch and applied in "
             f"exactly one optimizer step, but this configuration has {' and '.join(reasons)}. Fix: set "
             "num_iterations=1 and leave steps_per_generation unset (it then equals gradient_accumulation_steps); or, "
-            f"to run it off-policy deliberately, pass {fix_target} with allow_off_policy=True; or choose "
-            "method='grpo'."
+            f"for plain GRPO, {grpo_fix}; or, to run {args.method} off-policy deliberately, {off_policy_fix}."
         )
 
 

@@ -61,8 +61,9 @@ from transformers import TrainerCallback  # noqa: E402
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.models.utils import disable_gradient_checkpointing  # noqa: E402
-from trl.trainer.utils import maybe_gather_lm_head_ctx  # noqa: E402
+from trl.trainer.utils import get_config_model_id, is_async_callable, maybe_gather_lm_head_ctx  # noqa: E402
 
+from .checks import RewardCheck, check_training_values  # noqa: E402
 from .config import OPEFOConfig, check_estimate_backend, with_opefo_settings  # noqa: E402
 from .entropy_flow import TABULAR_ESTIMATES, FlowStats, flow_per_unit_advantage, flow_stats  # noqa: E402
 from .methods import TokenBatch, TokenMethod, get_token_method_class  # noqa: E402
@@ -74,6 +75,7 @@ from .param_flow import (  # noqa: E402
     inner,
     warn_imprecise,
 )
+from .runs import EpochSeededSampler  # noqa: E402
 from .vocab_stats import vocab_stats  # noqa: E402
 
 METHOD_STATE_NAME = "opefo_method_state.json"
@@ -138,8 +140,11 @@ class _AroundOptimizerStep(TrainerCallback):
 class OPEFOTrainer(GRPOTrainer):
     """A drop-in [`~trl.GRPOTrainer`] whose per-token policy-gradient terms are weighted by a token method.
 
-    Takes exactly `GRPOTrainer`'s arguments. `args` is an [`OPEFOConfig`], or a `GRPOConfig` (or subclass), which is
-    kept as it is (same object, class and fields) and given the OPEFO options with their defaults (`method="opefo"`).
+    Takes exactly `GRPOTrainer`'s arguments (`reward_funcs` optional with an `environment_factory` that owns the
+    reward; `args=None`: `GRPOConfig`'s defaults in `<model>-GRPO`, as `GRPOTrainer` names it). `args` is an
+    [`OPEFOConfig`], or a `GRPOConfig` (or subclass), which is kept as it is (same object, class and fields) and given
+    the OPEFO options with their defaults (`method="opefo"`). What reward functions return is checked on every call
+    (`opefo_trl.checks`), and each epoch's data order follows from the seed and the epoch (`opefo_trl.runs`).
     Logged on top of TRL's metrics: `entropy_flow/{lambda,increase,decrease,net,increase_token_frac,
     decrease_token_frac}` (with `entropy_flow_diagnostics`), `entropy_flow/measured_delta` (with
     `entropy_flow_audit_steps`; with `param` also `entropy_flow/{predicted_delta,step_first_order}`),
@@ -150,11 +155,12 @@ class OPEFOTrainer(GRPOTrainer):
     _tag_names = ["trl", "grpo", "opefo"]
     _name = "OPEFO"
 
-    def __init__(self, model, reward_funcs, args: OPEFOConfig | GRPOConfig | None = None, *pargs, **kwargs):
-        if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path
-            args = OPEFOConfig(output_dir=f"{name.split('/')[-1]}-OPEFO")
+    def __init__(self, model, reward_funcs=None, args: OPEFOConfig | GRPOConfig | None = None, *pargs, **kwargs):
+        if args is None:  # the output_dir GRPOTrainer (TRL 1.16) defaults to, so that swapping the class moves nothing
+            name = model if isinstance(model, str) else get_config_model_id(model.config)
+            args = OPEFOConfig(output_dir=f"{name.split('/')[-1]}-GRPO")
         args = with_opefo_settings(args)
+        check_training_values(args)
         self.token_method: TokenMethod = get_token_method_class(args.method).from_config(args)
         self.flow_estimate: str = args.entropy_flow_estimate
         # The flow of the whole rollout batch is needed before the first backward.
@@ -723,3 +729,26 @@ class OPEFOTrainer(GRPOTrainer):
                 "resume_from_checkpoint."
             )
         self.token_method.load_state_dict(saved["state"])
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Run-time input checks and the data order of resumed runs (opefo_trl.checks, opefo_trl.runs)
+    # ----------------------------------------------------------------------------------------------------------------
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's reward computation with every reward function's output checked (`opefo_trl.checks.RewardCheck`):
+        an exception, a non-number or an infinite reward is raised naming the function, on every process."""
+        check = RewardCheck(num_completions=len(prompts))
+        funcs = self.reward_funcs
+        self.reward_funcs = check.wrap(funcs, self.reward_func_names, is_async=is_async_callable)
+        try:
+            rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        finally:
+            self.reward_funcs = funcs
+        failed = torch.tensor(float(check.error is not None), device=rewards.device)
+        check.raise_if_failed(int(self._reduce_sum(failed)))
+        return rewards
+
+    def _get_train_sampler(self, dataset=None):
+        """TRL's sampler, drawing each epoch's order from the seed and the epoch (`opefo_trl.runs.EpochSeededSampler`),
+        so a resumed run draws what an uninterrupted one does."""
+        return EpochSeededSampler(super()._get_train_sampler(dataset))

@@ -82,3 +82,50 @@ def warm_model_path(tiny_model_path, tmp_path_factory):
     from opefo_trl.tiny import warm_up_tiny_model
 
     return warm_up_tiny_model(tiny_model_path, tmp_path_factory.mktemp("warm") / "model")
+
+
+def _snapshot(folder) -> dict[str, str]:
+    """``{relative path: sha256 of the content}`` of every file under ``folder`` (empty folders as ``path/``)."""
+    import hashlib
+
+    files = {}
+    for root, dirs, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                files[os.path.relpath(path, folder)] = hashlib.sha256(f.read()).hexdigest()
+        for name in dirs:
+            if not os.listdir(os.path.join(root, name)):
+                files[os.path.relpath(os.path.join(root, name), folder) + "/"] = ""
+    return files
+
+
+@pytest.fixture(scope="session")
+def snapshot():
+    """``snapshot(folder)``: file list and contents, to assert that a refused command wrote and deleted nothing."""
+    return _snapshot
+
+
+def _write_checkpoint(folder, step: int, method: str = "opefo"):
+    """``folder/checkpoint-<step>`` with the kinds of files Trainer writes there (safetensors weights, torch.save
+    archives, JSON states, OPEFO's method state), small and whole; returns its path."""
+    import torch
+    from safetensors.torch import save_file
+
+    from opefo_trl.trainer import METHOD_STATE_NAME
+
+    path = folder / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    save_file({"a": torch.arange(3000.0), "b": torch.ones(5, 7)}, str(path / "model.safetensors"))
+    torch.save({"state": {0: torch.zeros(10)}}, path / "optimizer.pt")
+    torch.save({"python": 1}, path / "rng_state.pth")
+    (path / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": []}))
+    (path / METHOD_STATE_NAME).write_text(json.dumps({"method": method, "state": {}}))
+    (path / "tokenizer.json").write_text("{}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def write_checkpoint():
+    """``write_checkpoint(folder, step, method="opefo") -> path``: a small whole checkpoint (see _write_checkpoint)."""
+    return _write_checkpoint

@@ -416,9 +416,17 @@ def test_an_off_policy_grpo_config_is_refused_with_a_fix_that_works_for_it(
     from trl import GRPOConfig
 
     settings = base_settings(tmp_path, num_iterations=2)
-    with pytest.raises(ValueError, match=r"pass an OPEFOConfig \(it takes every GRPOConfig option\) with allow_off"):
-        make_trainer(tiny_model_path, tiny_dataset, length_reward, GRPOConfig(**settings))
-    # The fix the message names works: the same settings in an OPEFOConfig with the opt-in.
+    for fix, line in (("method", 'args.method = "grpo"'), ("allow_off_policy", "args.allow_off_policy = True")):
+        args = GRPOConfig(**settings)
+        with pytest.raises(ValueError) as error:
+            make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
+        assert f"set `{line}`" in str(error.value)
+        # The one line the message names, on the very object that was refused, is the fix.
+        exec(line, {"args": args})
+        trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
+        assert trainer.args is args and getattr(args, fix) in ("grpo", True)
+    with pytest.raises(ValueError, match=r"`OPEFOConfig\(\.\.\., allow_off_policy=True\)`"):
+        OPEFOConfig(**settings)
     OPEFOConfig(**settings, allow_off_policy=True)
 
 
