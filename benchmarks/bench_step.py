@@ -28,6 +28,7 @@ import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -42,17 +43,29 @@ from opefo_trl.cli.options import INPUT_ERRORS, build_parser, parse_options, rep
 from opefo_trl.tiny import build_tiny_model  # noqa: E402
 from opefo_trl.vocab_stats import vocab_stats  # noqa: E402
 
-#: name -> (trainer class, OPEFOConfig fields); the first is the baseline every ratio is taken against.
+
+class Configuration(NamedTuple):
+    """A benchmarked setup: the trainer class, its config fields, and a LoRA rank (None: full fine-tuning)."""
+
+    trainer: type
+    fields: dict
+    lora_rank: int | None = None
+
+
+#: name -> configuration; the first is the baseline every ratio is taken against.
 CONFIGURATIONS = {
-    "grpo_strict": (GRPOTrainer, {}),
-    "opefo": (OPEFOTrainer, dict(method="opefo")),
-    "opefo_full": (OPEFOTrainer, dict(method="opefo", entropy_flow_estimate="full")),
-    "opefo_param": (OPEFOTrainer, dict(method="opefo", entropy_flow_estimate="param")),
-    "opefo_param_step": (OPEFOTrainer, dict(method="opefo", entropy_flow_estimate="param", opefo_balance="step")),
-    "grpo_diagnostics": (OPEFOTrainer, dict(method="grpo")),
-    "clip_cov": (OPEFOTrainer, dict(method="clip_cov")),
-    "kl_cov": (OPEFOTrainer, dict(method="kl_cov")),
-    "par": (OPEFOTrainer, dict(method="par")),
+    "grpo_strict": Configuration(GRPOTrainer, {}),
+    "opefo": Configuration(OPEFOTrainer, dict(method="opefo")),
+    "opefo_full": Configuration(OPEFOTrainer, dict(method="opefo", entropy_flow_estimate="full")),
+    "opefo_param": Configuration(OPEFOTrainer, dict(method="opefo", entropy_flow_estimate="param")),
+    "opefo_param_step": Configuration(
+        OPEFOTrainer, dict(method="opefo", entropy_flow_estimate="param", opefo_balance="step")
+    ),
+    "opefo_param_lora16": Configuration(OPEFOTrainer, dict(method="opefo", entropy_flow_estimate="param"), 16),
+    "grpo_diagnostics": Configuration(OPEFOTrainer, dict(method="grpo")),
+    "clip_cov": Configuration(OPEFOTrainer, dict(method="clip_cov")),
+    "kl_cov": Configuration(OPEFOTrainer, dict(method="kl_cov")),
+    "par": Configuration(OPEFOTrainer, dict(method="par")),
 }
 BASELINE = "grpo_strict"
 
@@ -78,6 +91,11 @@ class BenchSettings:
     configs: list[str] = field(
         default_factory=lambda: list(CONFIGURATIONS),
         metadata={"help": f"Configurations to run, among {list(CONFIGURATIONS)} ({BASELINE} always runs)."},
+    )
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "Train with gradient checkpointing."})
+    discard_first_run: bool = field(
+        default=True,
+        metadata={"help": "Run the baseline once, untimed, before the measured runs (first-touch allocations)."},
     )
     vocab_pass_hidden_size: int = field(default=896, metadata={"help": "Hidden size of the vocabulary-pass timing."})
     vocab_pass_tokens: int = field(default=512, metadata={"help": "Tokens of the vocabulary-pass timing."})
@@ -183,20 +201,31 @@ def training_settings(settings: BenchSettings, accumulation: int, output_dir: st
         save_strategy="no",
         seed=0,
         disable_tqdm=True,
-        gradient_checkpointing=False,
+        gradient_checkpointing=settings.gradient_checkpointing,
     )
 
 
 def run(model_path, dataset, name, settings: BenchSettings, accumulation: int, output_dir: str) -> dict:
     """Train one configuration; return its median step time, time without sampling, peak memory and passes."""
-    trainer_class, extra = CONFIGURATIONS[name]
-    config_class = OPEFOConfig if trainer_class is OPEFOTrainer else GRPOConfig
+    configuration = CONFIGURATIONS[name]
+    config_class = OPEFOConfig if configuration.trainer is OPEFOTrainer else GRPOConfig
+    peft_config = None
+    if configuration.lora_rank is not None:
+        from peft import LoraConfig
+
+        rank = configuration.lora_rank
+        peft_config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", task_type="CAUSAL_LM")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = config_class(**training_settings(settings, accumulation, output_dir), **extra)
+        config = config_class(**training_settings(settings, accumulation, output_dir), **configuration.fields)
         timer = StepTimer()
-        trainer = trainer_class(
-            model=model_path, reward_funcs=length_reward, args=config, train_dataset=dataset, callbacks=[timer]
+        trainer = configuration.trainer(
+            model=model_path,
+            reward_funcs=length_reward,
+            args=config,
+            train_dataset=dataset,
+            callbacks=[timer],
+            peft_config=peft_config,
         )
     trainer.remove_callback(PrinterCallback)  # disable_tqdm prints every log dict otherwise
     forwards = [0]
@@ -235,29 +264,58 @@ def run(model_path, dataset, name, settings: BenchSettings, accumulation: int, o
         seconds_per_step=statistics.median(timed),
         seconds_without_sampling=statistics.median(timed) - statistics.median(sampling),
         peak_bytes=memory.bytes,
+        peak_total_bytes=memory.peak,
         backbone_passes_per_step=(forwards[0] - generation_calls[0]) / settings.steps,
     )
 
 
-def compare(model_path, dataset, settings: BenchSettings, work: str) -> dict:
-    """Every configuration at every accumulation, interleaved; medians and ratios to the baseline."""
-    results = {}
+def compare(model_path, dataset, settings: BenchSettings, work: str, deadline=None, on_run=None) -> dict:
+    """Every configuration at every accumulation, interleaved; medians and ratios to the baseline.
+
+    ``deadline`` (a ``time.time()``): a run is skipped, and listed in ``results["skipped"]``, when the previous run's
+    duration would take it past the deadline. ``on_run(results)`` is called after every run with the results so far.
+    """
+    results, last_duration = {}, 0.0
+
+    def fits() -> bool:
+        return deadline is None or time.time() + 1.2 * last_duration <= deadline
+
     for accumulation in settings.accumulation:
+        key = f"accumulation_{accumulation}"
         runs = {name: [] for name in settings.configs}
-        # One discarded run first: lazy initialisation and first-touch allocations would otherwise land on the baseline.
-        run(model_path, dataset, BASELINE, settings, accumulation, os.path.join(work, "out"))
+        if settings.discard_first_run and fits():
+            # One discarded run first: lazy initialisation and first-touch allocations would otherwise land on the
+            # baseline.
+            start = time.time()
+            run(model_path, dataset, BASELINE, settings, accumulation, os.path.join(work, "out"))
+            last_duration = time.time() - start
         for _ in range(settings.repeats):
             for name in settings.configs:
+                if not fits():
+                    results.setdefault("skipped", {}).setdefault(key, []).append(name)
+                    continue
+                start = time.time()
                 runs[name].append(run(model_path, dataset, name, settings, accumulation, os.path.join(work, "out")))
-        medians = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
-        base = medians[BASELINE]
-        for m in medians.values():
-            m["time_ratio"] = m["seconds_per_step"] / base["seconds_per_step"]
-            m["time_ratio_without_sampling"] = m["seconds_without_sampling"] / base["seconds_without_sampling"]
-            m["memory_ratio"] = m["peak_bytes"] / max(base["peak_bytes"], 1)
-            m["extra_backbone_passes"] = m["backbone_passes_per_step"] - base["backbone_passes_per_step"]
-        results[f"accumulation_{accumulation}"] = medians
+                last_duration = time.time() - start
+                results[key] = _medians(runs)
+                if on_run is not None:
+                    on_run(results)
+        results[key] = _medians(runs)
     return results
+
+
+def _medians(runs: dict) -> dict:
+    """Median of each figure over a configuration's runs, and its ratio to the baseline's (when both ran)."""
+    medians = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items() if rs}
+    base = medians.get(BASELINE)
+    for m in medians.values():
+        if base is None:
+            break
+        m["time_ratio"] = m["seconds_per_step"] / base["seconds_per_step"]
+        m["time_ratio_without_sampling"] = m["seconds_without_sampling"] / base["seconds_without_sampling"]
+        m["memory_ratio"] = m["peak_bytes"] / max(base["peak_bytes"], 1)
+        m["extra_backbone_passes"] = m["backbone_passes_per_step"] - base["backbone_passes_per_step"]
+    return medians
 
 
 def markdown_table(medians: dict) -> str:
@@ -268,11 +326,16 @@ def markdown_table(medians: dict) -> str:
     ]
     for name, m in medians.items():
         lines.append(
-            f"| {name} | {m['seconds_per_step']:.3f} | {m['time_ratio']:.3f} | {m['seconds_without_sampling']:.3f} | "
-            f"{m['time_ratio_without_sampling']:.3f} | {m['peak_bytes'] / 2**20:.0f} | {m['memory_ratio']:.3f} | "
-            f"{m['backbone_passes_per_step']:.0f} ({m['extra_backbone_passes']:+.0f}) |"
+            f"| {name} | {m['seconds_per_step']:.3f} | {_ratio(m, 'time_ratio')} | {m['seconds_without_sampling']:.3f} "
+            f"| {_ratio(m, 'time_ratio_without_sampling')} | {m['peak_bytes'] / 2**20:.0f} | "
+            f"{_ratio(m, 'memory_ratio')} | {m['backbone_passes_per_step']:.0f} "
+            f"({m.get('extra_backbone_passes', float('nan')):+.0f}) |"
         )
     return "\n".join(lines)
+
+
+def _ratio(medians: dict, key: str) -> str:
+    return f"{medians[key]:.3f}" if key in medians else "n/a"
 
 
 def bench_vocab_pass(hidden_size: int, vocab: int, tokens: int, repeats: int = 5) -> dict:
@@ -336,7 +399,8 @@ def main(argv=None) -> int:
     )
     results = compare(model_path, dataset, settings, work)
     for key, medians in results.items():
-        print(f"gradient_accumulation_steps={key.split('_')[-1]}\n{markdown_table(medians)}\n")
+        if key != "skipped":
+            print(f"gradient_accumulation_steps={key.split('_')[-1]}\n{markdown_table(medians)}\n")
     vocab = bench_vocab_pass(settings.vocab_pass_hidden_size, settings.vocab_size, settings.vocab_pass_tokens)
     print(
         f"vocabulary pass ({settings.vocab_pass_tokens} tokens x hidden {settings.vocab_pass_hidden_size} x vocab "
