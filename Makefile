@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed is a pure-Python install on CPU: build no CUDA ops.
 export DS_BUILD_OPS := 0
 
-.PHONY: help install test lint format demo demo-quick bench bench-eval clean
+.PHONY: help install test lint format demo demo-quick bench bench-eval gpu-wheels clean
 
 help:
 	@echo "make demo   - set up .venv, train GRPO / OPEFO / baselines on a synthetic task, write plots + table"
@@ -25,6 +25,7 @@ help:
 	@echo "make lint   - ruff lint + format check (make format rewrites)"
 	@echo "make bench  - step-time and peak-memory ratios vs TRL's GRPOTrainer"
 	@echo "make bench-eval - batched evaluation vs one-prompt-at-a-time generate"
+	@echo "make gpu-wheels - the wheels benchmarks/gpu_check.sh carries to a GPU machine, into .whl/"
 
 # A GPU machine takes the default (CUDA) torch; elsewhere the CPU build, never a multi-GB CUDA download.
 $(VENV)/.torch:
@@ -66,6 +67,9 @@ bench: install
 
 bench-eval: install
 	$(PY) benchmarks/bench_eval.py
+
+gpu-wheels: install
+	PYTHON=$(PY) bash benchmarks/fetch_wheels.sh
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
