@@ -105,6 +105,8 @@ class GpuCheckSettings:
             self.timeout_by_stage[stage_number] = value
         if self.deadline_s <= 0:
             raise ValueError(f"deadline_s must be positive, got {self.deadline_s}.")
+        # The stages run with the repository as working directory.
+        self.output_dir, self.work_dir = os.path.abspath(self.output_dir), os.path.abspath(self.work_dir)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
