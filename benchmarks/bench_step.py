@@ -184,7 +184,8 @@ class StepTimer(TrainerCallback):
 
 
 def training_settings(settings: BenchSettings, accumulation: int, output_dir: str) -> dict:
-    """The GRPOConfig fields every configuration shares (bf16 autocast over fp32 weights on a GPU)."""
+    """The GRPOConfig fields every configuration shares (bf16 autocast over fp32 weights and a float32 LM head on a
+    GPU)."""
     cuda = torch.cuda.is_available()
     return dict(
         output_dir=output_dir,
@@ -195,6 +196,7 @@ def training_settings(settings: BenchSettings, accumulation: int, output_dir: st
         max_steps=settings.steps,
         logging_steps=1,
         bf16=cuda,
+        cast_lm_head_to_fp32=True,  # the recipes' setting, for every configuration (OPEFOConfig's default)
         use_cpu=not cuda,
         model_init_kwargs={"dtype": "float32"},
         report_to="none",

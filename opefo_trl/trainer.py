@@ -211,6 +211,20 @@ class OPEFOTrainer(GRPOTrainer):
         uses_estimate = self._rollout_flow or self.args.entropy_flow_diagnostics
         if uses_estimate:
             check_estimate_backend(self.flow_estimate, deepspeed=self.is_deepspeed_enabled, fsdp=self.is_fsdp_enabled)
+        if (
+            uses_estimate
+            and self.flow_estimate in TABULAR_ESTIMATES
+            and (self.args.bf16 or self.args.fp16)
+            and not self.args.cast_lm_head_to_fp32
+            and self.accelerator.is_main_process
+        ):
+            warnings.warn(
+                f"entropy_flow_estimate={self.flow_estimate!r} with a {'bf16' if self.args.bf16 else 'fp16'} LM head: "
+                "the log-probs and entropies of the entropy-flow statistics are rounded to half precision, which was "
+                "measured to move lambda* by up to ~1e-3 (the size of the paper's lambda*). Set "
+                "cast_lm_head_to_fp32=True (OPEFOConfig's default; on a GRPOConfig: args.cast_lm_head_to_fp32 = True).",
+                stacklevel=3,
+            )
         if self.flow_estimate != "param" or not self._rollout_flow:
             return
         dtypes = {p.dtype for p in self._trainable_parameters()}
