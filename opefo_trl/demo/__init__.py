@@ -1,20 +1,22 @@
 """GRPO vs OPEFO (and baselines) side by side on a laptop CPU: entropy collapse, entropy-flow balance, what the
 updates really did to entropy, and pass@k on held-out prompts.
 
-Runs offline, with nothing downloaded. For each torch thread setting (``--threads``; two settings change only the
-order of floating-point sums, the stand-in for another machine):
+Runs offline, with nothing downloaded. For each floating-point setting (``--numerics``, ``settings.NUMERICS``: two
+settings that change only the rounding stand in for another machine; one that needs environment variables read at
+start-up, such as ``MKL_CBWR``, runs in a process of its own):
 
 1. builds a tiny Qwen2-shaped model with the arithmetic tokenizer of ``opefo_trl.tiny`` and warm-starts it with
    supervised steps on the task's training targets, so that the RL start policy is partly right and spreads its
-   probability over many right answers (cached in ``OUTPUT_DIR/models/warm_start-<task>-threads<t>``);
+   probability over many right answers (cached in ``OUTPUT_DIR/models/warm_start-<task>-<numerics>``);
 2. trains each method for each seed from those weights with ``OPEFOTrainer`` (TRL's GRPO code path), identical
    budgets, auditing every step (``entropy_flow_audit_steps=1``: the batch is re-scored after the update and the
-   measured change of its mean token entropy logged), writing ``OUTPUT_DIR/runs/threads<t>/<method>-seed<k>/``;
+   measured change of its mean token entropy logged), writing ``OUTPUT_DIR/runs/<numerics>/<method>-seed<k>/``;
 3. samples the warm start and each trained policy 64 times per held-out target and reports unbiased pass@k;
 
 then writes ``OUTPUT_DIR/curves.png`` (entropy, reward, lambda*, flows, measured vs predicted entropy change,
 pass@k against k; mean +- std over seeds), ``summary.md`` (tables per thread setting, failed runs, the
-pre-registered readings and whether each holds in every setting: ``opefo_trl.demo.report``) and ``summary.json``.
+pre-registered readings and whether each holds in every setting, and whether two settings gave identical runs:
+``opefo_trl.demo.report``) and ``summary.json``.
 
 Tasks (``--task``, ``opefo_trl.demo.tasks``; every fifth target is held out of training for pass@k):
 
@@ -26,7 +28,7 @@ Tasks (``--task``, ``opefo_trl.demo.tasks``; every fifth target is held out of t
 
 Usage:
     python -m opefo_trl.demo --output_dir runs/demo                     # digit_sum: 4 methods x 3 seeds, 1 thread
-    python -m opefo_trl.demo --output_dir runs/demo-full --seeds 0 1 2 3 4 --threads 1 2     # make demo-full
+    python -m opefo_trl.demo --output_dir runs/demo-full --seeds 0 1 2 3 4 --numerics threads1 mkl_compatible
     python -m opefo_trl.demo --output_dir runs/demo-quick --quick true  # 1 seed, fewer steps (CI)
     python -m opefo_trl.demo --output_dir runs/demo-sum --task sum      # the out-of-regime task
     python -m opefo_trl.demo --output_dir runs/x --methods grpo opefo_param clip_cov par --seeds 0 1 2 3 4

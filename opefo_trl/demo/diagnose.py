@@ -1,14 +1,14 @@
 """Why a demo run diverges: re-run it with the exact parameter-space flow evaluated on every rollout batch.
 
 ``python -m opefo_trl.demo.diagnose`` takes the demo's options (one method with a tabular estimate, e.g. ``opefo``;
-one or more ``--seeds``; one ``--threads``) and the demo's ``--output_dir``, whose cached warm start it reuses. Each
+one or more ``--seeds``; one ``--numerics``) and the demo's ``--output_dir``, whose cached warm start it reuses. Each
 run is repeated with the same code path (``train_one``) by a trainer that, before every update, also computes the
 ``param`` estimate's per-token flow d_t = A_t <D grad Hbar, grad log pi_t> on the same batch (the library's own
 ``_entropy_alignment``: Adam-preconditioned, finite difference checked against the exact derivative). That extra
 work draws no random numbers and restores the parameters bit for bit, so the run must reproduce the demo's logged
-trajectory; ``reproduced`` in the output says whether it did (compared with ``runs/threads<t>/<method>-seed<k>``).
+trajectory; ``reproduced`` in the output says whether it did (compared with ``runs/<numerics>/<method>-seed<k>``).
 
-Per step it records (``OUTPUT_DIR/diagnose/threads<t>/<method>-seed<k>/diagnostics.json``, figure ``diagnose.png``):
+Per step it records (``OUTPUT_DIR/diagnose/<numerics>/<method>-seed<k>/diagnostics.json``, figure ``diagnose.png``):
 
 - lambda* of the tabular estimate (what OPEFO balances) and of the parameter-space flow of the same batch;
 - the parameter-space net flow of the update the run really applies (OPEFO's weights), as a fraction of the gross,
@@ -33,15 +33,13 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from opefo_trl.demo.runner import ENVIRONMENT, run_dir
-from opefo_trl.demo.settings import DemoMethod, DemoSettings, demo_methods
-from opefo_trl.demo.training import train_one
+from opefo_trl.demo.runner import ENVIRONMENT, needs_own_process, run_dir
+from opefo_trl.demo.settings import NUMERICS, NUMERICS_VARIABLES, DemoMethod, DemoSettings, demo_methods
+from opefo_trl.demo.training import FINGERPRINT_METRICS, train_one
 from opefo_trl.demo.warm_start import warm_start
 
 TOKEN_CLASSES = ("digit", "end", "other")
 STEPS_FILE = "diagnostic_steps.json"
-#: Logged metrics a reproduced run must match the demo's run in, step for step (exactly: same code, same numbers).
-REPRODUCED_METRICS = ("entropy", "reward", "entropy_flow/lambda", "entropy_flow/measured_delta", "grad_norm")
 _DIGIT_TOKEN = re.compile(r"\s*\d")
 
 
@@ -164,7 +162,7 @@ class Diagnosis:
 
 
 def compare_histories(history: list[dict], reference: list[dict]) -> float:
-    """Largest absolute difference, over the steps and ``REPRODUCED_METRICS``, between two runs' logged rows
+    """Largest absolute difference, over the steps and ``FINGERPRINT_METRICS``, between two runs' logged rows
     (inf when the steps or metrics differ)."""
 
     def rows(h):
@@ -175,7 +173,7 @@ def compare_histories(history: list[dict], reference: list[dict]) -> float:
         return math.inf
     worst = 0.0
     for step, row in ours.items():
-        for key in REPRODUCED_METRICS:
+        for key in FINGERPRINT_METRICS:
             a, b = row.get(key), theirs[step].get(key)
             if (a is None) != (b is None):
                 return math.inf
@@ -186,8 +184,16 @@ def compare_histories(history: list[dict], reference: list[dict]) -> float:
 
 def check_diagnosable(settings: DemoSettings) -> DemoMethod:
     """The one method to diagnose; ValueError unless there is one, with a tabular estimate, and one thread setting."""
-    if len(settings.methods) != 1 or len(settings.threads) != 1:
-        raise ValueError("give one method (--methods opefo) and one thread setting (--threads 1).")
+    if len(settings.methods) != 1 or len(settings.numerics) != 1:
+        raise ValueError("give one method (--methods opefo) and one numerics setting (--numerics threads1).")
+    numerics = NUMERICS[settings.numerics[0]]
+    if needs_own_process(numerics):
+        wanted = " ".join(f"{k}={v}" for k, v in numerics.environment.items())
+        how = f"start it as `{wanted} python -m opefo_trl.demo.diagnose ...`" if wanted else "unset them"
+        raise ValueError(
+            f"numerics {numerics.name} needs other values of {list(NUMERICS_VARIABLES)} than this process was started "
+            f"with: {how}."
+        )
     method = demo_methods(settings.entropy_coef)[settings.methods[0]]
     if method.flow_estimate == "param":
         raise ValueError(
@@ -198,26 +204,26 @@ def check_diagnosable(settings: DemoSettings) -> DemoMethod:
 
 
 def diagnose(settings: DemoSettings, log=print) -> list[Diagnosis]:
-    """Diagnose ``settings.methods[0]`` for each of ``settings.seeds`` under ``settings.threads[0]``."""
+    """Diagnose ``settings.methods[0]`` for each of ``settings.seeds`` under ``settings.numerics[0]``."""
     import torch
 
     method = check_diagnosable(settings)
-    threads = settings.threads[0]
+    numerics = settings.numerics[0]
     previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(NUMERICS[numerics].threads)
     try:
-        model_path = warm_start(settings.output_dir, settings, threads, log=log)
+        model_path = warm_start(settings.output_dir, settings, numerics, log=log)
         found = []
         for seed in settings.seeds:
-            path = os.path.join(settings.output_dir, "diagnose", f"threads{threads}", f"{method.name}-seed{seed}")
-            log(f"diagnosing {method.name} seed {seed}, {threads} thread(s) -> {path}")
+            path = os.path.join(settings.output_dir, "diagnose", numerics, f"{method.name}-seed{seed}")
+            log(f"diagnosing {method.name} seed {seed}, numerics {numerics} -> {path}")
             trainer_class = diagnostic_trainer_class()
-            train_one(method, seed, threads, model_path, path, settings, log=log, trainer_class=trainer_class)
+            train_one(method, seed, numerics, model_path, path, settings, log=log, trainer_class=trainer_class)
             with open(os.path.join(path, "trainer_state.json")) as f:
                 history = json.load(f)["log_history"]
             with open(os.path.join(path, STEPS_FILE)) as f:
                 records = json.load(f)
-            reference = run_dir(settings.output_dir, threads, method.name, seed)
+            reference = run_dir(settings.output_dir, numerics, method.name, seed)
             reference_state = os.path.join(reference, "trainer_state.json")
             reproduced = difference = None
             if os.path.exists(reference_state):
@@ -234,10 +240,19 @@ def diagnose(settings: DemoSettings, log=print) -> list[Diagnosis]:
         torch.set_num_threads(previous)
 
 
+def class_share(records: list[dict], name: str, flow: str) -> list[float]:
+    """Per step, the share of the batch's ``flow`` (e.g. ``tabular_decrease``) that tokens of class ``name`` carry."""
+    shares = []
+    for r in records:
+        total = sum(c[flow] for c in r["classes"].values())
+        shares.append(r["classes"][name][flow] / total if total else 0.0)
+    return shares
+
+
 def plot_diagnosis(history: list[dict], records: list[dict], path: str, title: str) -> str:
     """Six panels over the steps: lambda* of both estimates; measured vs predicted entropy change (batch part,
     momentum part); the real network's net / gross flow of the applied vs the unweighted update; sign disagreement;
-    the token classes' share and weights; entropy and reward."""
+    the non-digit tokens' share of the decrease flow N by each estimate; entropy, reward and gradient norm."""
     import numpy as np
     from matplotlib.figure import Figure
 
@@ -270,12 +285,12 @@ def plot_diagnosis(history: list[dict], records: list[dict], path: str, title: s
     ax.plot(steps, series("sign_disagreement_flow"), label="share of the parameter-space gross flow")
     ax.set_title("`opefo` vs parameter-space flow: opposite sign")
     ax = next(axes)
-    for name in TOKEN_CLASSES:
-        share = np.array([r["classes"][name]["token_share"] for r in records])
-        weight = np.array([r["classes"][name]["mean_weight"] or np.nan for r in records])
-        (line,) = ax.plot(steps, share, label=f"{name}: share of tokens")
-        ax.plot(steps, weight - 1, color=line.get_color(), ls="--", label=f"{name}: mean weight − 1")
-    ax.set_title("token classes")
+    for name in TOKEN_CLASSES[1:]:  # digits carry the rest
+        (line,) = ax.plot(steps, class_share(records, name, "tabular_decrease"), label=f"{name}: share of `opefo` N")
+        color = line.get_color()
+        ax.plot(steps, class_share(records, name, "param_decrease"), color=color, ls="--", label="… of param N")
+        ax.plot(steps, [r["classes"][name]["token_share"] for r in records], color=color, ls=":", label="… of tokens")
+    ax.set_title("non-digit tokens: share of the decrease flow N")
     ax = next(axes)
     ax.plot(steps[: len(rows)], series("entropy", rows)[: len(steps)], label="entropy (nats)")
     ax.plot(steps[: len(rows)], series("reward", rows)[: len(steps)], label="reward")

@@ -1,10 +1,10 @@
-"""The demo's report: failed runs, per-method figures per thread setting, and the pre-registered readings.
+"""The demo's report: failed runs, per-method figures per numerics setting, and the pre-registered readings.
 
 The rules are the README's pre-registration ("make demo", "Pre-registered"), fixed before the comparison was run:
 
 - a run *failed* when its final reward is <= ``FAILED_REWARD``, its final entropy exceeds ``FAILED_ENTROPY_RATIO``
   times its first step's, or either is not finite (``failure_reason``);
-- per method and thread setting: failures / runs, and mean ± std over the non-failed runs beside all runs;
+- per method and numerics setting: failures / runs, and mean ± std over the non-failed runs beside all runs;
 - the readings (``readings``) are decided per setting, and hold only where they hold in every setting.
 
 Example:
@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 from opefo_trl.demo.evaluate import HeldOutResult
-from opefo_trl.demo.settings import DemoSettings, demo_methods
+from opefo_trl.demo.settings import NUMERICS, DemoSettings, demo_methods
 from opefo_trl.demo.tasks import TASKS
 from opefo_trl.demo.training import FINAL_WINDOW, RunResult
 
@@ -74,7 +74,7 @@ class Spread:
 FIGURES = (
     "entropy_start", "entropy_final", "entropy_min", "reward_start", "reward_final", "lambda_mean", "lambda_abs_mean",
     "net_over_gross_mean", "measured_delta_mean", "measured_abs_delta_mean", "predicted_delta_mean",
-    "step_first_order_mean", "seconds",
+    "step_first_order_mean", "seconds", "cpu_seconds",
 )  # fmt: skip
 
 
@@ -89,10 +89,10 @@ def run_figures(run: RunResult) -> dict[str, float | None]:
 
 @dataclass
 class MethodSummary:
-    """One method under one thread setting: which runs failed, and each figure over all runs and non-failed runs."""
+    """One method under one numerics setting: which runs failed, and each figure over all runs and non-failed runs."""
 
     method: str
-    threads: int
+    numerics: str
     seeds: list[int]
     failures: dict[int, str]  # seed -> reason
     all_runs: dict[str, Spread] = field(default_factory=dict)
@@ -108,7 +108,7 @@ class MethodSummary:
         names = list(dict.fromkeys(name for f in figures for name in f))
         return cls(
             method=runs[0].method,
-            threads=runs[0].threads,
+            numerics=runs[0].numerics,
             seeds=[r.seed for r in runs],
             failures=failures,
             all_runs={n: Spread.of([f.get(n) for f in figures]) for n in names},
@@ -117,12 +117,27 @@ class MethodSummary:
         )
 
 
-def summarize(results: Sequence[RunResult]) -> dict[int, dict[str, MethodSummary]]:
-    """``{threads: {method: MethodSummary}}``, in the order the runs came."""
-    grouped: dict[int, dict[str, list[RunResult]]] = {}
+def summarize(results: Sequence[RunResult]) -> dict[str, dict[str, MethodSummary]]:
+    """``{numerics: {method: MethodSummary}}``, in the order the runs came."""
+    grouped: dict[str, dict[str, list[RunResult]]] = {}
     for r in results:
-        grouped.setdefault(r.threads, {}).setdefault(r.method, []).append(r)
-    return {t: {m: MethodSummary.of(runs) for m, runs in by_method.items()} for t, by_method in grouped.items()}
+        grouped.setdefault(r.numerics, {}).setdefault(r.method, []).append(r)
+    return {n: {m: MethodSummary.of(runs) for m, runs in by_method.items()} for n, by_method in grouped.items()}
+
+
+def identical_runs(results: Sequence[RunResult]) -> dict[tuple[str, str], tuple[int, int]]:
+    """For each pair of numerics settings, ``(runs with identical logs, runs in both)`` over the (method, seed) pairs
+    both ran: settings whose runs are all identical are one setting on this machine, not two."""
+    by_setting: dict[str, dict[tuple[str, int], str]] = {}
+    for r in results:
+        by_setting.setdefault(r.numerics, {})[(r.method, r.seed)] = r.log_fingerprint
+    names, pairs = list(by_setting), {}
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            common = by_setting[a].keys() & by_setting[b].keys()
+            same = sum(by_setting[a][k] == by_setting[b][k] != "" for k in common)
+            pairs[(a, b)] = (same, len(common))
+    return pairs
 
 
 def is_above(values: Sequence[float], baseline: Sequence[float]) -> str:
@@ -139,11 +154,11 @@ def is_above(values: Sequence[float], baseline: Sequence[float]) -> str:
 
 @dataclass
 class Reading:
-    """A pre-registered reading, its verdict in each thread setting, and whether one verdict holds in all."""
+    """A pre-registered reading, its verdict in each numerics setting, and whether one verdict holds in all."""
 
     text: str
-    verdicts: dict[int, str]  # threads -> verdict ('yes', 'no', 'above', ...)
-    details: dict[int, str] = field(default_factory=dict)  # threads -> the figures behind the verdict
+    verdicts: dict[str, str]  # numerics -> verdict ('yes', 'no', 'above', ...)
+    details: dict[str, str] = field(default_factory=dict)  # numerics -> the figures behind the verdict
 
     @property
     def holds(self) -> str:
@@ -151,19 +166,19 @@ class Reading:
         distinct = set(self.verdicts.values())
         return distinct.pop() if len(distinct) == 1 else "differs between settings"
 
-    def cell(self, threads: int) -> str:
-        if threads not in self.verdicts:
+    def cell(self, numerics: str) -> str:
+        if numerics not in self.verdicts:
             return "-"
-        detail = self.details.get(threads)
-        return f"{self.verdicts[threads]} ({detail})" if detail else self.verdicts[threads]
+        detail = self.details.get(numerics)
+        return f"{self.verdicts[numerics]} ({detail})" if detail else self.verdicts[numerics]
 
 
 def _yes(condition: bool) -> str:
     return "yes" if condition else "no"
 
 
-def readings(summaries: Mapping[int, Mapping[str, MethodSummary]], pass_at_k: Sequence[int]) -> list[Reading]:
-    """The README's pre-registered readings 1-4, each decided in every thread setting."""
+def readings(summaries: Mapping[str, Mapping[str, MethodSummary]], pass_at_k: Sequence[int]) -> list[Reading]:
+    """The README's pre-registered readings 1-4, each decided in every numerics setting."""
     settings = list(summaries)
     methods = list(dict.fromkeys(m for by_method in summaries.values() for m in by_method))
     found: list[Reading] = []
@@ -231,10 +246,10 @@ def _cell(summary: MethodSummary, figure: str, fmt: str) -> str:
 
 
 def summary_markdown(
-    results: Sequence[RunResult], settings: DemoSettings, warm_starts: Mapping[int, HeldOutResult | None]
+    results: Sequence[RunResult], settings: DemoSettings, warm_starts: Mapping[str, HeldOutResult | None]
 ) -> str:
-    """The report as markdown: per thread setting a training table and a held-out pass@k table, the failed runs,
-    and the readings with their verdict in every setting."""
+    """The report as markdown: per numerics setting a training table and a held-out pass@k table, the failed runs;
+    whether two settings gave identical runs; the readings with their verdict in every setting."""
     methods = demo_methods(settings.entropy_coef)
     task = TASKS[settings.task]
     summaries = summarize(results)
@@ -245,9 +260,9 @@ def summary_markdown(
         f"Tiny Qwen2 (hidden {settings.hidden_size}, {settings.num_layers} layers), {settings.warm_start_steps} "
         f"supervised warm-start steps, then {settings.steps} strict on-policy RL steps of {settings.prompts_per_step} "
         f"prompts x {settings.num_generations} samples, lr {settings.learning_rate:g}, temperature "
-        f"{settings.temperature:g}; seeds {sorted({r.seed for r in results})}; torch thread settings "
-        f"{list(summaries)}. Training targets {task.train_targets[0]}..{task.train_targets[-1]} without the "
-        f"held-out {task.held_out_targets}.",
+        f"{settings.temperature:g}; seeds {sorted({r.seed for r in results})}; numerics settings "
+        f"{', '.join(f'{n} ({NUMERICS[n].description})' for n in summaries)}. Training targets "
+        f"{task.train_targets[0]}..{task.train_targets[-1]} without the held-out {task.held_out_targets}.",
         "",
         f"Values are mean ± std over seeds; where a run failed, the non-failed runs' figure follows in brackets. "
         f"'final' = mean of the last {FINAL_WINDOW} logged steps. A run *failed* if its final reward ≤ "
@@ -257,26 +272,27 @@ def summary_markdown(
         "ΔH = change of the batch's mean token entropy that one update made (re-scored after it): signed mean and "
         "mean |ΔH| per step; 'predicted' is the `param` estimate's first-order prediction.",
     ]
-    for threads, by_method in summaries.items():
+    for numerics, by_method in summaries.items():
         lines += [
             "",
-            f"## torch threads = {threads}",
+            f"## numerics = {numerics}",
             "",
-            "| method | failed / runs | entropy start → final | reward start → final | mean \\|λ*\\| (estimate) | "
-            "ΔH / step | mean \\|ΔH\\| / step | predicted ΔH / step | s / run |",
+            "| method | failed / runs | entropy start → final (min) | reward start → final | "
+            "mean \\|λ*\\| (estimate) | ΔH / step | mean \\|ΔH\\| / step | predicted ΔH / step | s / run (CPU s) |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for name, s in by_method.items():
             cells = [
                 f"{name} ({methods[name].description})",
                 f"{len(s.failures)} / {len(s.seeds)}",
-                f"{s.all_runs['entropy_start'].format('.3f')} → {_cell(s, 'entropy_final', '.3f')}",
+                f"{s.all_runs['entropy_start'].format('.3f')} → {_cell(s, 'entropy_final', '.3f')} "
+                f"(min {s.all_runs['entropy_min'].format('.3f')})",
                 f"{s.all_runs['reward_start'].format('.2f')} → {_cell(s, 'reward_final', '.2f')}",
                 f"{s.all_runs['lambda_abs_mean'].format('.3f')} (`{methods[name].flow_estimate}`)",
                 _cell(s, "measured_delta_mean", "+.2e"),
                 _cell(s, "measured_abs_delta_mean", ".2e"),
                 _cell(s, "predicted_delta_mean", "+.2e"),
-                s.all_runs["seconds"].format(".0f"),
+                f"{s.all_runs['seconds'].format('.0f')} ({s.all_runs['cpu_seconds'].format('.0f')})",
             ]
             lines.append("| " + " | ".join(cells) + " |")
         if ks:
@@ -289,7 +305,7 @@ def summary_markdown(
                 "| method | " + " | ".join(f"pass@{k}" for k in ks) + " | distinct right answers / target |",
                 "|---|" + "---|" * (len(ks) + 1),
             ]
-            warm = warm_starts.get(threads)
+            warm = warm_starts.get(numerics)
             if warm is not None:
                 cells = [f"{warm.pass_at_k[f'pass@{k}']:.3f}" for k in ks] + [f"{warm.distinct_correct_per_target:.2f}"]
                 lines.append("| warm start (before RL) | " + " | ".join(cells) + " |")
@@ -298,11 +314,14 @@ def summary_markdown(
                 lines.append(f"| {name} | " + " | ".join(cells) + " |")
         failed = [(name, seed, reason) for name, s in by_method.items() for seed, reason in s.failures.items()]
         lines += ["", "Failed runs: " + ("; ".join(f"{m} seed {k} ({why})" for m, k, why in failed) or "none") + "."]
-        warned = [f"{r.method} seed {r.seed}" for r in results if r.threads == threads and r.regime_warning]
+        warned = [f"{r.method} seed {r.seed}" for r in results if r.numerics == numerics and r.regime_warning]
         lines.append(f"Regime guard fired for: {', '.join(warned) if warned else 'no run'}.")
+    for (a, b), (same, common) in identical_runs(results).items():
+        verdict = " They are one setting on this machine, not two." if same == common else ""
+        lines += ["", f"Numerics {a} and {b}: {same} of {common} runs gave identical logs.{verdict}"]
     found = readings(summaries, ks)
     if found:
-        header = " | ".join(f"threads = {t}" for t in summaries)
+        header = " | ".join(f"{n}" for n in summaries)
         lines += [
             "",
             "## Pre-registered readings",
@@ -316,17 +335,17 @@ def summary_markdown(
             lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in [r.text, *cells, holds]) + " |")
     lines += [
         "",
-        "Curves: `curves.png` (mean ± std over seeds and settings); per setting `curves-threads<t>.png` when there "
-        "are several. Per-run logs: `runs/threads<t>/<method>-seed<k>/trainer_state.json`.",
+        "Curves: `curves.png` (mean ± std over seeds and settings); per setting `curves-<numerics>.png` when there "
+        "are several. Per-run logs: `runs/<numerics>/<method>-seed<k>/trainer_state.json`.",
     ]
     return "\n".join(lines) + "\n"
 
 
 def summary_dict(
-    results: Sequence[RunResult], settings: DemoSettings, warm_starts: Mapping[int, HeldOutResult | None]
+    results: Sequence[RunResult], settings: DemoSettings, warm_starts: Mapping[str, HeldOutResult | None]
 ) -> dict:
     """Everything ``summary.json`` holds: settings, the warm starts' held-out results, every run, the per-method
-    summaries per thread setting and the readings."""
+    summaries per numerics setting, identical runs between settings and the readings."""
     summaries = summarize(results)
     ks = settings.pass_at_k if settings.pass_at_k_samples else []
     return {
@@ -340,10 +359,14 @@ def summary_dict(
             "comparison_standard_errors": STANDARD_ERRORS,
         },
         "held_out_targets": TASKS[settings.task].held_out_targets,
-        "warm_start": {str(t): asdict(w) if w else None for t, w in warm_starts.items()},
+        "warm_start": {n: asdict(w) if w else None for n, w in warm_starts.items()},
         "runs": [asdict(r) | {"failure": failure_reason(r)} for r in results],
+        "identical_runs": [
+            {"settings": [a, b], "identical": same, "runs": common}
+            for (a, b), (same, common) in identical_runs(results).items()
+        ],
         "summary": {
-            str(t): {
+            n: {
                 m: {
                     "failures": {str(k): v for k, v in s.failures.items()},
                     "runs": len(s.seeds),
@@ -352,10 +375,10 @@ def summary_dict(
                 }
                 for m, s in by_method.items()
             }
-            for t, by_method in summaries.items()
+            for n, by_method in summaries.items()
         },
         "readings": [
-            {"reading": r.text, "verdicts": {str(t): r.cell(t) for t in r.verdicts}, "holds": r.holds}
+            {"reading": r.text, "verdicts": {n: r.cell(n) for n in r.verdicts}, "holds": r.holds}
             for r in readings(summaries, ks)
         ],
     }

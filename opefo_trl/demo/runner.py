@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import subprocess
 import sys
 import time
+from dataclasses import replace
 
 from opefo_trl.demo.evaluate import HeldOutResult, evaluate_held_out
 from opefo_trl.demo.report import summary_dict, summary_markdown
-from opefo_trl.demo.settings import DemoMethod, DemoSettings, demo_methods
+from opefo_trl.demo.settings import NUMERICS, NUMERICS_VARIABLES, DemoMethod, DemoSettings, Numerics, demo_methods
 from opefo_trl.demo.tasks import TASKS
 from opefo_trl.demo.training import RunResult, build_config, train_one
 from opefo_trl.demo.warm_start import warm_start
@@ -25,28 +28,65 @@ ENVIRONMENT = {
 }
 
 
-def run_dir(output_dir: str, threads: int, method: str, seed: int) -> str:
-    return os.path.join(output_dir, "runs", f"threads{threads}", f"{method}-seed{seed}")
+#: Each setting's runs and warm-start evaluation, in ``runs/<numerics>/`` (read back when it ran in its own process).
+RESULTS_FILE = "results.json"
+
+
+def run_dir(output_dir: str, numerics: str, method: str, seed: int) -> str:
+    return os.path.join(output_dir, "runs", numerics, f"{method}-seed{seed}")
+
+
+def needs_own_process(numerics: Numerics) -> bool:
+    """Whether this process was started with other values of the variables the math libraries read at start-up."""
+    return any(os.environ.get(k) != numerics.environment.get(k) for k in NUMERICS_VARIABLES)
+
+
+def settings_flags(settings: DemoSettings) -> list[str]:
+    """Command-line flags that rebuild ``settings`` (every field given explicitly)."""
+    flags = []
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        if value is None:
+            continue
+        values = value if isinstance(value, list) else [value]
+        flags += [f"--{f.name}", *(str(v).lower() if isinstance(v, bool) else str(v) for v in values)]
+    return flags
 
 
 def run_demo(output_dir: str, settings: DemoSettings, log=print) -> dict[str, str]:
     """Run the whole demo; return the paths of the figure, the markdown summary and the json summary.
 
-    Settings and every run's ``OPEFOConfig`` are checked before the first warm start. torch's thread count is set to
-    each of ``settings.threads`` in turn and restored afterwards.
+    Settings and every run's ``OPEFOConfig`` are checked before the first warm start. Each setting of
+    ``settings.numerics`` runs in this process (torch's thread count set for it, restored afterwards) or, when it
+    needs environment variables this process was not started with, in a process of its own.
     """
-    import torch
-
     settings.validate()
     methods = demo_methods(settings.entropy_coef)
     for name in settings.methods:
         build_config(methods[name], settings.seeds[0], os.path.join(output_dir, "runs", "_check"), settings)
     os.makedirs(output_dir, exist_ok=True)
-    previous_threads = torch.get_num_threads()
-    try:
-        return _run_demo(output_dir, settings, methods, log)
-    finally:
-        torch.set_num_threads(previous_threads)
+    total_start = time.perf_counter()
+    results: list[RunResult] = []
+    warm_starts: dict[str, HeldOutResult | None] = {}
+    for name in settings.numerics:
+        if needs_own_process(NUMERICS[name]):
+            runs, warm = _run_setting_in_own_process(output_dir, settings, name, log)
+        else:
+            runs, warm = _run_setting(output_dir, settings, name, methods, log)
+        results += runs
+        warm_starts[name] = warm
+    figure = plot_demo(output_dir, results, settings, warm_starts)
+    summary_md = os.path.join(output_dir, "summary.md")
+    with open(summary_md, "w") as f:
+        f.write(summary_markdown(results, settings, warm_starts))
+    summary_json = os.path.join(output_dir, "summary.json")
+    with open(summary_json, "w") as f:
+        json.dump(
+            summary_dict(results, settings, warm_starts) | {"total_seconds": time.perf_counter() - total_start},
+            f,
+            indent=2,
+        )
+    return {"figure": figure, "summary_md": summary_md, "summary_json": summary_json}
 
 
 def _evaluate_warm_start(model_path: str, settings: DemoSettings, log) -> HeldOutResult | None:
@@ -73,80 +113,106 @@ def _held_out_line(result: HeldOutResult) -> str:
     return f"{passes}; {result.distinct_correct_per_target:.2f} distinct right answers per target"
 
 
-def _run_demo(output_dir: str, settings: DemoSettings, methods: dict[str, DemoMethod], log) -> dict[str, str]:
+def _run_setting(
+    output_dir: str, settings: DemoSettings, name: str, methods: dict[str, DemoMethod], log
+) -> tuple[list[RunResult], HeldOutResult | None]:
+    """Warm start, every method x seed and the held-out evaluations under the setting ``name``, in this process."""
     import torch
 
-    total_start = time.perf_counter()
-    results: list[RunResult] = []
-    warm_starts: dict[int, HeldOutResult | None] = {}
-    total = len(settings.threads) * len(settings.methods) * len(settings.seeds)
-    for threads in settings.threads:
-        torch.set_num_threads(threads)
-        model_path = warm_start(output_dir, settings, threads, log=log)
-        warm_starts[threads] = _evaluate_warm_start(model_path, settings, log)
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(NUMERICS[name].threads)
+    try:
+        model_path = warm_start(output_dir, settings, name, log=log)
+        warm = _evaluate_warm_start(model_path, settings, log)
+        results: list[RunResult] = []
+        total = len(settings.methods) * len(settings.seeds)
         for seed in settings.seeds:
-            for name in settings.methods:
+            for method in settings.methods:
                 log(
-                    f"[{len(results) + 1}/{total}] {name} ({methods[name].description}), seed {seed}, "
-                    f"{settings.steps} steps, {threads} thread(s)"
+                    f"[{len(results) + 1}/{total}] {method} ({methods[method].description}), seed {seed}, "
+                    f"{settings.steps} steps, numerics {name}"
                 )
-                path = run_dir(output_dir, threads, name, seed)
-                result = train_one(methods[name], seed, threads, model_path, path, settings, log=log)
+                path = run_dir(output_dir, name, method, seed)
+                result = train_one(methods[method], seed, name, model_path, path, settings, log=log)
                 results.append(result)
                 extra = f"; held out: {_held_out_line(result.held_out)}" if result.held_out else ""
                 log(
-                    f"[{len(results)}/{total}] {name} seed {seed} done in {result.seconds:.0f} s: entropy "
+                    f"[{len(results)}/{total}] {method} seed {seed} done in {result.seconds:.0f} s: entropy "
                     f"{result.entropy_start:.3f} -> {result.entropy_final:.3f} (min {result.entropy_min:.3f}), reward "
                     f"{result.reward_start:.2f} -> {result.reward_final:.2f}, mean |lambda*| "
                     f"{result.lambda_abs_mean:.4f}, measured dH/step {result.measured_delta_mean:+.2e}{extra}"
                 )
-    figure = plot_demo(output_dir, results, settings, warm_starts)
-    summary_md = os.path.join(output_dir, "summary.md")
-    with open(summary_md, "w") as f:
-        f.write(summary_markdown(results, settings, warm_starts))
-    summary_json = os.path.join(output_dir, "summary.json")
-    with open(summary_json, "w") as f:
+    finally:
+        torch.set_num_threads(previous_threads)
+    with open(os.path.join(output_dir, "runs", name, RESULTS_FILE), "w") as f:
         json.dump(
-            summary_dict(results, settings, warm_starts) | {"total_seconds": time.perf_counter() - total_start},
+            {
+                "numerics": name,
+                "environment": {k: os.environ.get(k) for k in NUMERICS_VARIABLES},
+                "torch_threads": NUMERICS[name].threads,
+                "warm_start": dataclasses.asdict(warm) if warm else None,
+                "runs": [dataclasses.asdict(r) for r in results],
+            },
             f,
             indent=2,
         )
-    return {"figure": figure, "summary_md": summary_md, "summary_json": summary_json}
+    return results, warm
+
+
+def _run_setting_in_own_process(
+    output_dir: str, settings: DemoSettings, name: str, log
+) -> tuple[list[RunResult], HeldOutResult | None]:
+    """The setting ``name`` as a demo of its own (``python -m opefo_trl.demo --numerics name``, same output folder)
+    in a process started with its environment; its results are read back from ``runs/<name>/results.json``."""
+    environment = {k: v for k, v in os.environ.items() if k not in NUMERICS_VARIABLES} | NUMERICS[name].environment
+    command = [sys.executable, "-m", "opefo_trl.demo", *settings_flags(replace(settings, numerics=[name]))]
+    variables = " ".join(f"{k}={v}" for k, v in NUMERICS[name].environment.items()) or "none of " + str(
+        NUMERICS_VARIABLES
+    )
+    log(f"numerics {name}: in a process of its own, started with {variables}")
+    process = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in process.stdout:
+        log(f"[{name}] {line.rstrip()}")
+    if process.wait() != 0:
+        raise RuntimeError(f"The demo under numerics {name!r} failed (exit code {process.returncode}); see its output.")
+    with open(os.path.join(output_dir, "runs", name, RESULTS_FILE)) as f:
+        data = json.load(f)
+    warm = data["warm_start"]
+    return [RunResult.from_dict(r) for r in data["runs"]], HeldOutResult(**warm) if warm else None
 
 
 def plot_demo(
-    output_dir: str, results: list[RunResult], settings: DemoSettings, warm_starts: dict[int, HeldOutResult | None]
+    output_dir: str, results: list[RunResult], settings: DemoSettings, warm_starts: dict[str, HeldOutResult | None]
 ) -> str:
-    """``curves.png`` over every run (grouped by method: mean ± std over seeds and thread settings), with the pass@k
-    panel; with several thread settings also ``curves-threads<t>.png`` for each. Returns the path of ``curves.png``."""
+    """``curves.png`` over every run (grouped by method: mean ± std over seeds and numerics settings), with the pass@k
+    panel; with several settings also ``curves-<numerics>.png`` for each. Returns the path of ``curves.png``."""
     from opefo_trl.plotting import load_runs, plot_runs
 
     task = TASKS[settings.task]
 
-    def draw(path: str, chosen: list[RunResult], threads: list[int]) -> None:
+    def draw(path: str, chosen: list[RunResult], numerics: list[str]) -> None:
         runs = load_runs([r.run_dir for r in chosen])
         groups = {run.label: r.method for run, r in zip(runs, chosen, strict=True)}
         curves: dict[str, list[dict[int, float]]] = {}
         for r in chosen:
             if r.held_out is not None:
                 curves.setdefault(r.method, []).append(_by_k(r.held_out))
-        warm = [_by_k(warm_starts[t]) for t in threads if warm_starts.get(t) is not None]
+        warm = [_by_k(warm_starts[n]) for n in numerics if warm_starts.get(n) is not None]
         plot_runs(
             runs,
             path,
             groups=groups,
             smoothing=0.6,
-            title=f"{task.name} task, tiny Qwen2, {len(settings.seeds)} seed(s), torch threads "
-            f"{' and '.join(map(str, threads))} "
+            title=f"{task.name} task, tiny Qwen2, {len(settings.seeds)} seed(s), numerics {' and '.join(numerics)} "
             "(EMA-smoothed 0.6; band: ±1 std)",
             pass_at_k=({"warm start": warm} if warm else {}) | curves,
         )
 
     figure = os.path.join(output_dir, "curves.png")
-    draw(figure, results, settings.threads)
-    if len(settings.threads) > 1:
-        for t in settings.threads:
-            draw(os.path.join(output_dir, f"curves-threads{t}.png"), [r for r in results if r.threads == t], [t])
+    draw(figure, results, settings.numerics)
+    if len(settings.numerics) > 1:
+        for name in settings.numerics:
+            draw(os.path.join(output_dir, f"curves-{name}.png"), [r for r in results if r.numerics == name], [name])
     return figure
 
 

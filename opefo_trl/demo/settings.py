@@ -55,6 +55,41 @@ def demo_methods(entropy_coef: float) -> dict[str, DemoMethod]:
 
 
 METHOD_NAMES = tuple(demo_methods(0.0))
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """A floating-point setting the demo can run under: torch's thread count and environment variables that the
+    math libraries read when the process starts (a setting that needs other values runs in a process of its own)."""
+
+    name: str
+    description: str
+    threads: int
+    environment: dict[str, str] = field(default_factory=dict)
+
+
+#: The settings ``--numerics`` chooses from. Two of them stand in for two machines only if they change the runs:
+#: the report says when two settings gave identical logs.
+NUMERICS = {
+    n.name: n
+    for n in (
+        Numerics("threads1", "1 torch thread, the machine's default kernels", 1),
+        Numerics(
+            "threads2",
+            "2 torch threads (changes the order of sums only for operations large enough to be split)",
+            2,
+        ),
+        Numerics(
+            "mkl_compatible",
+            "1 torch thread, MKL_CBWR=COMPATIBLE: MKL's SSE2 kernels, rounding unlike the AVX2 / AVX-512 kernels MKL "
+            "picks by default",
+            1,
+            {"MKL_CBWR": "COMPATIBLE"},
+        ),
+    )
+}
+#: Every variable some setting sets: a setting leaves the others unset.
+NUMERICS_VARIABLES = tuple(sorted({k for n in NUMERICS.values() for k in n.environment}))
 DEFAULT_METHODS = ("grpo", "opefo", "opefo_param_step", "entropy_reg")
 #: The k of pass@k; the largest must not exceed the samples drawn per held-out target.
 DEFAULT_PASS_AT_K = (1, 4, 16, 64)
@@ -75,8 +110,8 @@ class DemoSettings:
 
     Example:
         >>> settings = DemoSettings(methods=["grpo", "opefo"], seeds=[0, 1], steps=30)
-        >>> settings.hidden_size, settings.steps, settings.threads, DemoSettings(quick=True).seeds
-        (64, 30, [1], [0])
+        >>> settings.hidden_size, settings.steps, settings.numerics, DemoSettings(quick=True).seeds
+        (64, 30, ['threads1'], [0])
         >>> DemoSettings(quick=True).steps, DemoSettings().entropy_coef
         (20, 0.001)
     """
@@ -96,12 +131,13 @@ class DemoSettings:
         default=None,
         metadata={"help": "RL seeds; every method runs with each of them. Default: 0 1 2 (0 with --quick)."},
     )
-    threads: list[int] = field(
-        default_factory=lambda: [1],
+    numerics: list[str] = field(
+        default_factory=lambda: ["threads1"],
         metadata={
-            "help": "torch CPU thread counts: the whole demo (warm start included) runs once per setting, and the "
-            "report says which readings hold in every setting. Two settings (`--threads 1 2`) change only the order "
-            "of floating-point sums: the stand-in for another machine."
+            "help": "Floating-point settings, among "
+            + "; ".join(f"{n.name}: {n.description}" for n in NUMERICS.values())
+            + ". The whole demo (warm start included) runs once per setting, and the report says which readings hold "
+            "in every setting: two settings that change only the rounding stand in for another machine."
         },
     )
     hidden_size: int | None = _task_setting("Hidden size of the tiny Qwen2 model.")
@@ -150,7 +186,10 @@ class DemoSettings:
         unknown = [m for m in self.methods if m not in METHOD_NAMES]
         if unknown:
             raise ValueError(f"Unknown method(s) {unknown}; choose from {list(METHOD_NAMES)}.")
-        for name, example in (("methods", "grpo opefo"), ("seeds", "0 1 2"), ("threads", "1 2")):
+        unknown = [n for n in self.numerics if n not in NUMERICS]
+        if unknown:
+            raise ValueError(f"Unknown numerics setting(s) {unknown}; choose from {list(NUMERICS)}.")
+        for name, example in (("methods", "grpo opefo"), ("seeds", "0 1 2"), ("numerics", "threads1 mkl_compatible")):
             values = getattr(self, name)
             if not values:
                 raise ValueError(f"No {name} given; e.g. --{name} {example}.")
@@ -163,8 +202,6 @@ class DemoSettings:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
-        if min(self.threads) < 1:
-            raise ValueError(f"--threads must be >= 1, got {self.threads}.")
         if self.warm_start_steps < 0 or self.pass_at_k_samples < 0:
             raise ValueError("warm_start_steps and pass_at_k_samples must be >= 0.")
         if self.pass_at_k_samples and (not self.pass_at_k or min(self.pass_at_k) < 1):

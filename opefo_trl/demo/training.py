@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import math
 import statistics
 import time
@@ -75,15 +78,16 @@ def _progress_callback(label: str, total_steps: int, log):
 
 @dataclass
 class RunResult:
-    """What the report needs from one run (``threads``: the torch thread setting it ran under)."""
+    """What the report needs from one run (``numerics``: the floating-point setting it ran under)."""
 
     method: str
     seed: int
-    threads: int
+    numerics: str
     run_dir: str
     flow_estimate: str  # the estimate of the logged entropy_flow/lambda (the run's own)
     steps: int
-    seconds: float
+    seconds: float  # wall time of the training (no evaluation)
+    cpu_seconds: float  # CPU time of this process over the same span: what a quiet machine's wall time would be
     entropy_start: float
     entropy_final: float
     entropy_min: float
@@ -98,6 +102,27 @@ class RunResult:
     step_first_order_mean: float | None = None
     regime_warning: str | None = None
     held_out: HeldOutResult | None = None
+    #: sha256 of the logged FINGERPRINT_METRICS: equal for two runs whose logs are identical
+    log_fingerprint: str = ""
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RunResult:
+        """The inverse of ``dataclasses.asdict`` (extra keys, such as the report's ``failure``, are ignored)."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in fields}
+        if values.get("held_out") is not None:
+            values["held_out"] = HeldOutResult(**values["held_out"])
+        return cls(**values)
+
+
+#: What two runs must agree in, step for step, to count as identical (``log_fingerprint``, ``demo.diagnose``).
+FINGERPRINT_METRICS = ("entropy", "reward", "entropy_flow/lambda", "entropy_flow/measured_delta", "grad_norm")
+
+
+def log_fingerprint(history: list[dict]) -> str:
+    """sha256 of every logged step's ``FINGERPRINT_METRICS`` (NaN included)."""
+    rows = [[row.get("step")] + [repr(row.get(k)) for k in FINGERPRINT_METRICS] for row in history if "entropy" in row]
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
 
 
 def _metric(history: list[dict], key: str, finite: bool = True) -> list[float]:
@@ -155,14 +180,15 @@ def summarize_history(history: list[dict]) -> dict[str, float]:
 def train_one(
     method: DemoMethod,
     seed: int,
-    threads: int,
+    numerics: str,
     model_path: str,
     run_dir: str,
     settings: DemoSettings,
     log=print,
     trainer_class=None,
 ) -> RunResult:
-    """Train one method for one seed from ``model_path`` (torch's thread count, ``threads``, is set by the caller);
+    """Train one method for one seed from ``model_path`` (under the numerics setting ``numerics``, set up by the
+    caller);
     save ``trainer_state.json`` in ``run_dir``; evaluate the trained policy on the held-out targets.
 
     ``trainer_class`` (default ``OPEFOTrainer``) lets a diagnostic subclass run the very same code path.
@@ -175,8 +201,8 @@ def train_one(
 
     task = TASKS[settings.task]
     args = build_config(method, seed, run_dir, settings)
-    label = f"{method.name} seed {seed}" + (f" threads {threads}" if len(settings.threads) > 1 else "")
-    start = time.perf_counter()
+    label = f"{method.name} seed {seed}" + (f" {numerics}" if len(settings.numerics) > 1 else "")
+    start, cpu_start = time.perf_counter(), time.process_time()
     trainer = (trainer_class or OPEFOTrainer)(
         model=model_path,
         reward_funcs=task.reward,
@@ -193,16 +219,18 @@ def train_one(
     if guard:
         log(f"  {label}: regime guard: {guard}")
     trainer.save_state()
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     result = RunResult(
         method=method.name,
         seed=seed,
-        threads=threads,
+        numerics=numerics,
         run_dir=run_dir,
         flow_estimate=method.flow_estimate,
         steps=trainer.state.global_step,
         seconds=seconds,
+        cpu_seconds=cpu_seconds,
         regime_warning=guard,
+        log_fingerprint=log_fingerprint(trainer.state.log_history),
         **summarize_history(trainer.state.log_history),
     )
     if settings.pass_at_k_samples:

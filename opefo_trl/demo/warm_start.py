@@ -17,13 +17,13 @@ _WARM_START_KEYS = (
 )  # fmt: skip
 
 
-def warm_start(output_dir: str, settings: DemoSettings, threads: int, log=print) -> str:
+def warm_start(output_dir: str, settings: DemoSettings, numerics: str, log=print) -> str:
     """Build the tiny model and fit it to the task's training targets for ``warm_start_steps`` supervised steps
-    with ``threads`` torch threads (set by the caller); return its path.
+    under the floating-point setting ``numerics`` (``NUMERICS``; set up by the caller); return its path.
 
     The loss is the completion tokens' cross-entropy (prompt tokens masked; the answer followed by the end-of-turn
     token, as TRL generates), AdamW with a short warm-up and a linear decay. A finished warm start with the same
-    settings in ``output_dir/models/warm_start-<task>-threads<threads>`` is reused.
+    settings in ``output_dir/models/warm_start-<task>-<numerics>`` is reused.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -31,9 +31,9 @@ def warm_start(output_dir: str, settings: DemoSettings, threads: int, log=print)
     from opefo_trl.tiny import build_tiny_model
 
     task = TASKS[settings.task]
-    path = os.path.join(output_dir, "models", f"warm_start-{task.name}-threads{threads}")
+    path = os.path.join(output_dir, "models", f"warm_start-{task.name}-{numerics}")
     marker = os.path.join(path, WARM_START_MARKER)
-    key = {k: getattr(settings, k) for k in _WARM_START_KEYS} | {"threads": threads, "targets": task.train_targets}
+    key = {k: getattr(settings, k) for k in _WARM_START_KEYS} | {"numerics": numerics, "targets": task.train_targets}
     if os.path.exists(marker):
         with open(marker) as f:
             if json.load(f).get("settings") == key:
@@ -56,8 +56,8 @@ def warm_start(output_dir: str, settings: DemoSettings, threads: int, log=print)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * max(0.0, 1.0 - s / max(1, steps))
     )
-    log(f"warm start: {steps} supervised steps x {batch_size} examples, {task.name} task, {threads} thread(s) ...")
-    start, loss_value = time.perf_counter(), float("nan")
+    log(f"warm start: {steps} supervised steps x {batch_size} examples, {task.name} task, numerics {numerics} ...")
+    start, cpu_start, loss_value = time.perf_counter(), time.process_time(), float("nan")
     model.train()
     for step in range(steps):
         batch = examples[step * batch_size : (step + 1) * batch_size]
@@ -87,5 +87,6 @@ def warm_start(output_dir: str, settings: DemoSettings, threads: int, log=print)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     with open(marker, "w") as f:
-        json.dump({"settings": key, "final_loss": loss_value, "seconds": time.perf_counter() - start}, f)
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+        json.dump({"settings": key, "final_loss": loss_value, "seconds": seconds, "cpu_seconds": cpu_seconds}, f)
     return path

@@ -57,7 +57,10 @@ def test_diagnosis_reproduces_the_run_and_matches_its_log(tmp_path, tiny_setting
 def test_diagnose_refuses_what_it_cannot_diagnose(tmp_path, capsys):
     assert main(["--output_dir", str(tmp_path), "--methods", "grpo", "opefo"]) == 2
     assert "give one method" in capsys.readouterr().err
-    assert main(["--output_dir", str(tmp_path), "--methods", "opefo", "--threads", "1", "2"]) == 2
+    assert main(["--output_dir", str(tmp_path), "--methods", "opefo", "--numerics", "threads1", "threads2"]) == 2
+    assert "one numerics setting" in capsys.readouterr().err
+    assert main(["--output_dir", str(tmp_path), "--methods", "opefo", "--numerics", "mkl_compatible"]) == 2
+    assert "start it as `MKL_CBWR=COMPATIBLE python -m opefo_trl.demo.diagnose" in capsys.readouterr().err
     assert main(["--output_dir", str(tmp_path), "--methods", "opefo_param_step"]) == 2
     assert "already runs on the `param` estimate" in capsys.readouterr().err
     assert not (tmp_path / "models").exists()

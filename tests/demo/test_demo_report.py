@@ -1,4 +1,4 @@
-"""The demo's report: the pre-registered failure rule, all-runs vs non-failed figures, the readings per thread
+"""The demo's report: the pre-registered failure rule, all-runs vs non-failed figures, the readings per numerics
 setting, the tables and summary.json."""
 
 import json
@@ -10,6 +10,7 @@ import pytest
 from opefo_trl.demo import DemoSettings, HeldOutResult, RunResult, failure_reason
 from opefo_trl.demo.report import (
     MethodSummary,
+    identical_runs,
     is_above,
     readings,
     summarize,
@@ -18,15 +19,16 @@ from opefo_trl.demo.report import (
 )
 
 
-def _result(method, seed, entropy_final=2.0, reward_final=0.7, threads=1, entropy_start=2.2, passes=(0.1, 0.5)):
+def _result(method, seed, entropy_final=2.0, reward_final=0.7, numerics="threads1", entropy_start=2.2, held_out=True):
     return RunResult(
         method=method,
         seed=seed,
-        threads=threads,
-        run_dir=f"runs/threads{threads}/{method}-seed{seed}",
+        numerics=numerics,
+        run_dir=f"runs/{numerics}/{method}-seed{seed}",
         flow_estimate="param" if method == "opefo_param_step" else "opefo",
         steps=8,
         seconds=10.0,
+        cpu_seconds=8.0,
         entropy_start=entropy_start,
         entropy_final=entropy_final,
         entropy_min=min(entropy_final, entropy_start),
@@ -37,7 +39,8 @@ def _result(method, seed, entropy_final=2.0, reward_final=0.7, threads=1, entrop
         net_over_gross_mean=0.04,
         measured_delta_mean=-1e-3,
         measured_abs_delta_mean=4e-3,
-        held_out=HeldOutResult.from_counts([1, 2], 4, [1, 2], [1, 1], [1, 4]) if passes else None,
+        held_out=HeldOutResult.from_counts([1, 2], 4, [1, 2], [1, 1], [1, 4]) if held_out else None,
+        log_fingerprint=f"{method}-{seed}-{entropy_final}-{reward_final}",
     )
 
 
@@ -85,20 +88,20 @@ def _by_text(found, start):
 
 def test_readings_are_decided_per_setting_and_hold_only_in_both():
     results = []
-    for threads in (1, 2):
+    for numerics in ("threads1", "mkl_compatible"):
         for seed in range(3):
-            results.append(_result("grpo", seed, 0.8 + 0.01 * seed, 0.74 + 0.01 * seed, threads))
-            # OPEFO holds entropy on threads=1; on threads=2 seed 1 diverges
-            diverged = threads == 2 and seed == 1
-            results.append(_result("opefo", seed, 5.6 if diverged else 2.1, 0.0 if diverged else 0.6, threads))
+            results.append(_result("grpo", seed, 0.8 + 0.01 * seed, 0.74 + 0.01 * seed, numerics))
+            # OPEFO holds entropy under threads1; under mkl_compatible seed 1 diverges
+            diverged = numerics == "mkl_compatible" and seed == 1
+            results.append(_result("opefo", seed, 5.6 if diverged else 2.1, 0.0 if diverged else 0.6, numerics))
     found = readings(summarize(results), [1, 4])
     regime = _by_text(found, "1. regime")
-    assert regime.verdicts == {1: "yes", 2: "yes"} and regime.holds == "yes"
+    assert regime.verdicts == {"threads1": "yes", "mkl_compatible": "yes"} and regime.holds == "yes"
     holds = _by_text(found, "2. opefo holds entropy")
-    assert holds.verdicts == {1: "yes", 2: "no"} and holds.holds == "differs between settings"
+    assert holds.verdicts == {"threads1": "yes", "mkl_compatible": "no"} and holds.holds == "differs between settings"
     assert _by_text(found, "2. grpo holds entropy").holds == "no"
     fails = _by_text(found, "3. opefo fails")
-    assert fails.verdicts == {1: "no", 2: "yes"} and fails.cell(2) == "yes (1/3)"
+    assert fails.verdicts == {"threads1": "no", "mkl_compatible": "yes"} and fails.cell("mkl_compatible") == "yes (1/3)"
     reward = _by_text(found, "4. opefo vs GRPO on reward_final")
     assert reward.holds == "below"  # 0.6 vs ~0.75 over the non-failed runs, in both settings
     assert _by_text(found, "4. opefo vs GRPO on pass@1").holds == "no difference shown"  # identical pass@k
@@ -108,7 +111,7 @@ def test_table_and_summary_json(tmp_path):
     results = [_result("grpo", 0, 0.8), _result("grpo", 1, 1.0), _result("opefo", 0, 5.6, 0.0), _result("opefo", 1)]
     results += [_result("opefo_param_step", 0), _result("opefo_param_step", 1)]
     settings = DemoSettings(seeds=[0, 1], methods=["grpo", "opefo", "opefo_param_step"], pass_at_k=[1, 4])
-    warm = {1: HeldOutResult.from_counts([1, 2], 4, [0, 1], [0, 1], [1, 4])}
+    warm = {"threads1": HeldOutResult.from_counts([1, 2], 4, [0, 1], [0, 1], [1, 4])}
     table = summary_markdown(results, settings, warm)
     grpo_row = next(line for line in table.splitlines() if line.startswith("| grpo ("))
     opefo_row = next(line for line in table.splitlines() if line.startswith("| opefo ("))
@@ -120,13 +123,22 @@ def test_table_and_summary_json(tmp_path):
     assert "Failed runs: opefo seed 0 (final reward 0.000 <= 0.1)." in table
     assert "\\|λ*\\|" in _by_line(table, "| 1. regime")  # escaped inside the table
     data = json.loads(json.dumps(summary_dict(results, settings, warm)))
-    assert data["summary"]["1"]["opefo"]["failures"] == {"0": "final reward 0.000 <= 0.1"}
-    assert data["summary"]["1"]["opefo"]["non_failed"]["entropy_final"]["n"] == 1
+    assert data["summary"]["threads1"]["opefo"]["failures"] == {"0": "final reward 0.000 <= 0.1"}
+    assert data["summary"]["threads1"]["opefo"]["non_failed"]["entropy_final"]["n"] == 1
     assert [r["failure"] is not None for r in data["runs"]] == [False, False, True, False, False, False]
-    assert data["warm_start"]["1"]["pass_at_k"] == {"pass@1": 0.125, "pass@4": 0.5}
+    assert data["warm_start"]["threads1"]["pass_at_k"] == {"pass@1": 0.125, "pass@4": 0.5}
     assert data["criteria"]["failed_reward_at_most"] == 0.1 and data["held_out_targets"][0] == 101
     assert not any(math.isnan(v) for r in data["runs"] for v in r.values() if isinstance(v, float))
 
 
 def _by_line(table, start):
     return next(line for line in table.splitlines() if line.startswith(start))
+
+
+def test_settings_with_identical_logs_are_reported_as_one():
+    same = [_result("grpo", s, numerics=n) for n in ("threads1", "threads2") for s in (0, 1)]
+    assert identical_runs(same) == {("threads1", "threads2"): (2, 2)}
+    other = same + [_result("grpo", 0, entropy_final=1.9, numerics="mkl_compatible")]
+    assert identical_runs(other)[("threads1", "mkl_compatible")] == (0, 1)
+    table = summary_markdown(same, DemoSettings(seeds=[0, 1], methods=["grpo"], pass_at_k=[1, 4]), {})
+    assert "Numerics threads1 and threads2: 2 of 2 runs gave identical logs. They are one setting" in table

@@ -7,7 +7,7 @@ from opefo_trl.demo import METHOD_NAMES, TASKS, DemoSettings, demo_methods
 
 def test_task_defaults_and_quick_budget():
     default, summed = DemoSettings(), DemoSettings(task="sum")
-    assert default.task == "digit_sum" and default.seeds == [0, 1, 2] and default.threads == [1]
+    assert default.task == "digit_sum" and default.seeds == [0, 1, 2] and default.numerics == ["threads1"]
     for settings in (default, summed):
         for name, value in TASKS[settings.task].defaults.items():
             assert getattr(settings, name) == value
@@ -40,9 +40,9 @@ def test_methods_of_make_demo_and_behind_the_flag():
         (dict(methods=["grpo", "nope"]), "Unknown method"),
         (dict(methods=[]), "No methods"),
         (dict(seeds=[0, 0]), "duplicates"),
-        (dict(threads=[1, 1]), "duplicates"),
-        (dict(threads=[0]), "threads must be >= 1"),
-        (dict(threads=[]), "No threads"),
+        (dict(numerics=["threads1", "threads1"]), "duplicates"),
+        (dict(numerics=["threads3"]), "Unknown numerics"),
+        (dict(numerics=[]), "No numerics"),
         (dict(steps=0), "steps must be >= 1"),
         (dict(num_generations=1), "num_generations must be >= 2"),
         (dict(task="product"), "Unknown task"),

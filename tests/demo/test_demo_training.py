@@ -61,11 +61,11 @@ def test_regime_guard_is_recorded_per_run(tmp_path, monkeypatch, tiny_settings):
     # A threshold every lambda* exceeds and a 2-step window: the guard must fire, and the run must record its text.
     monkeypatch.setattr(OPEFO, "REGIME_WINDOW", 2)
     settings = tiny_settings(pass_at_k_samples=0)
-    model_path = warm_start(str(tmp_path), settings, threads=1, log=lambda _: None)
+    model_path = warm_start(str(tmp_path), settings, "threads1", log=lambda _: None)
     method = DemoMethod("opefo", "OPEFO", {"method": "opefo", "opefo_lambda_warn": 1e-9})
     messages = []
-    result = train_one(method, 0, 1, model_path, str(tmp_path / "run"), settings, log=messages.append)
+    result = train_one(method, 0, "threads1", model_path, str(tmp_path / "run"), settings, log=messages.append)
     assert result.regime_warning is not None and "averaged over the last 2 optimizer steps" in result.regime_warning
     assert any("regime guard" in m for m in messages)
     assert result.held_out is None  # pass_at_k_samples=0 skips the evaluation
-    assert result.threads == 1 and result.flow_estimate == "opefo"
+    assert result.numerics == "threads1" and result.flow_estimate == "opefo" and len(result.log_fingerprint) == 64
