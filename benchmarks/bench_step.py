@@ -48,6 +48,7 @@ CONFIGURATIONS = {
     "opefo": (OPEFOTrainer, dict(method="opefo")),
     "opefo_full": (OPEFOTrainer, dict(method="opefo", entropy_flow_estimate="full")),
     "opefo_param": (OPEFOTrainer, dict(method="opefo", entropy_flow_estimate="param")),
+    "opefo_param_step": (OPEFOTrainer, dict(method="opefo", entropy_flow_estimate="param", opefo_balance="step")),
     "grpo_diagnostics": (OPEFOTrainer, dict(method="grpo")),
     "clip_cov": (OPEFOTrainer, dict(method="clip_cov")),
     "kl_cov": (OPEFOTrainer, dict(method="kl_cov")),

@@ -37,6 +37,8 @@ TRL_CHOICES = {
     "importance_sampling_level": ("token", "sequence"),
 }
 PRECONDITIONERS = ("adam", "none")
+#: TrainingArguments.optim values whose optimizer each `param` preconditioner models exactly (torch's own).
+PRECONDITIONER_OPTIMS = {"adam": ("adamw_torch", "adamw_torch_fused"), "none": ("sgd",)}
 
 
 @dataclass
@@ -53,8 +55,9 @@ class EntropyFlowSettings:
     entropy_flow_preconditioner: str = setting(
         "adam",
         "'param' estimate: the optimizer's diagonal preconditioner D in d_t = c_t A_t <D grad Hbar, grad log pi_t>. "
-        "'adam': AdamW's next step, its bias-corrected second moments including this batch's clipped gradient "
-        "(computed in the same pass); 'none': plain SGD.",
+        "'adam': torch Adam/AdamW's next step, its bias-corrected second moments including this batch's clipped "
+        "gradient (computed in the same pass); 'none': plain SGD (optim='sgd', no momentum). Each is refused with "
+        "the other family's optimizer.",
     )
     entropy_flow_diagnostics: bool = setting(
         True,
@@ -64,8 +67,10 @@ class EntropyFlowSettings:
     entropy_flow_audit_steps: int = setting(
         0,
         "Every k-th optimizer step (0: never), re-score that step's batch after the update without gradients and log "
-        "entropy_flow/measured_delta, the measured change of its mean token entropy (and, for 'param', "
-        "entropy_flow/predicted_delta). One no-grad forward per audited step.",
+        "entropy_flow/measured_delta, the measured change of its mean token entropy (per-token differences summed in "
+        "float64). For 'param' also entropy_flow/predicted_delta (the first-order change of the step from its real "
+        "gradient and the optimizer's state) and entropy_flow/step_first_order (from the real parameter change). One "
+        "no-grad forward per audited step.",
     )
     vocab_stats_token_chunk_size: int = setting(512, "Tokens per tile of the `full` estimate's vocabulary pass.")
     vocab_stats_vocab_chunk_size: int = setting(
@@ -175,9 +180,12 @@ def validate_opefo_settings(args) -> None:
     Raises ValueError naming the option and a fix that works for the object the user passed; nothing that can be
     checked without the model waits for training.
     """
-    fix_target = (
-        "this OPEFOConfig" if isinstance(args, OPEFOConfig) else "an OPEFOConfig (it takes every GRPOConfig option)"
-    )
+    if isinstance(args, OPEFOConfig):  # refused while it is built (also by opefo-train): the fix is an argument
+        grpo_fix = "`OPEFOConfig(..., method='grpo')` (opefo-train: --method grpo)"
+        off_policy_fix = "`OPEFOConfig(..., allow_off_policy=True)` (opefo-train: --allow_off_policy true)"
+    else:  # given the OPEFO options by OPEFOTrainer, which keeps the attributes set on the object
+        grpo_fix = f'set `args.method = "grpo"` on this {type(args).__name__} before passing it'
+        off_policy_fix = "set `args.allow_off_policy = True` on it"
     # GRPOConfig only rejects some of these when the first batch reaches them: fail at configuration time.
     for name, valid in TRL_CHOICES.items():
         check_choice(name, getattr(args, name), valid)
@@ -195,6 +203,18 @@ def validate_opefo_settings(args) -> None:
         )
     check_choice("entropy_flow_estimate", args.entropy_flow_estimate, FLOW_ESTIMATES)
     check_choice("entropy_flow_preconditioner", args.entropy_flow_preconditioner, PRECONDITIONERS)
+    uses_param = args.entropy_flow_estimate == "param" and (
+        method_class.needs_rollout_pass or args.entropy_flow_diagnostics
+    )
+    if uses_param:
+        _check_param_optimizer(args)
+    if getattr(args, "opefo_balance", "batch") == "step" and (args.beta != 0 or args.entropy_coef != 0):
+        raise ValueError(
+            f"opefo_balance='step' zeroes the first-order entropy change of the policy-gradient step, but the loss "
+            f"also has a KL term (beta={args.beta}) or an entropy bonus (entropy_coef={args.entropy_coef}) whose "
+            "gradients move the entropy outside the balance. Set beta=0 and entropy_coef=0 (the paper's setup), or "
+            "use opefo_balance='batch'."
+        )
     if args.entropy_flow_audit_steps < 0:
         raise ValueError(f"entropy_flow_audit_steps must be >= 0 (0: off); got {args.entropy_flow_audit_steps}.")
     if args.vocab_stats_token_chunk_size < 1 or args.vocab_stats_vocab_chunk_size < 1:
@@ -219,8 +239,23 @@ def validate_opefo_settings(args) -> None:
             f"method={args.method!r} is strictly on-policy: lambda* is computed over one rollout batch and applied in "
             f"exactly one optimizer step, but this configuration has {' and '.join(reasons)}. Fix: set "
             "num_iterations=1 and leave steps_per_generation unset (it then equals gradient_accumulation_steps); or, "
-            f"to run it off-policy deliberately, pass {fix_target} with allow_off_policy=True; or choose "
-            "method='grpo'."
+            f"for plain GRPO, {grpo_fix}; or, to run {args.method} off-policy deliberately, {off_policy_fix}."
+        )
+
+
+def _check_param_optimizer(args) -> None:
+    """The `param` preconditioner must describe the optimizer that will step (a custom optimizer passed to the
+    trainer is checked again when it is created)."""
+    optim = str(getattr(args.optim, "value", args.optim))
+    preconditioner = args.entropy_flow_preconditioner
+    if optim not in PRECONDITIONER_OPTIMS[preconditioner]:
+        other = "none" if preconditioner == "adam" else "adam"
+        raise ValueError(
+            f"entropy_flow_preconditioner={preconditioner!r} models the update of "
+            f"{' / '.join(PRECONDITIONER_OPTIMS[preconditioner])}, but optim={optim!r}: lambda would balance a step "
+            f"that never happens and entropy_flow/predicted_delta would describe it. Set optim="
+            f"{PRECONDITIONER_OPTIMS[preconditioner][0]!r}, or entropy_flow_preconditioner={other!r} with optim="
+            f"{PRECONDITIONER_OPTIMS[other][0]!r}."
         )
 
 

@@ -45,7 +45,8 @@ TABULAR_ESTIMATES = ("opefo", "onaction", "sign", "full")
 #: Every estimate; `param` needs the network (opefo_trl.param_flow computes its u_t).
 FLOW_ESTIMATES = (*TABULAR_ESTIMATES, "param")
 SIDES = ("both", "increase_only", "decrease_only")
-#: What OPEFO's lambda* balances: this batch's flow (the paper's) or the whole optimizer step's (momentum included).
+#: What OPEFO's lambda balances: this batch's first-order flow (the paper's) or the real next optimizer step's
+#: first-order entropy change (``param_flow.StepModel``).
 BALANCES = ("batch", "step")
 
 
@@ -201,33 +202,43 @@ def flow_stats(flow: torch.Tensor, factor: torch.Tensor) -> FlowStats:
     )
 
 
-def lambda_star(increase: torch.Tensor, decrease: torch.Tensor, carried: torch.Tensor | float = 0.0) -> torch.Tensor:
-    """lambda* = (N - P - carried) / (N + P): the lambda for which (1 + lambda) P - (1 - lambda) N + carried = 0, and
-    0 when N + P = 0 (nothing flows).
+def lambda_star(increase: torch.Tensor, decrease: torch.Tensor) -> torch.Tensor:
+    """lambda* = (N - P) / (N + P): the lambda for which (1 + lambda) P = (1 - lambda) N, and 0 when N + P = 0
+    (nothing flows). It lies in [-1, 1].
 
-    ``carried`` is flow the optimizer step applies whatever this batch's weights (Adam's momentum, with
-    ``opefo_balance="step"``); 0 gives the paper's lambda* = (N - P) / (N + P). The result may leave [-1, 1] when
-    ``carried`` exceeds what reweighting this batch can offset; the caller clamps it.
-
-    >>> lambda_star(torch.tensor(1.0), torch.tensor(3.0)), lambda_star(torch.tensor(1.0), torch.tensor(3.0), 1.0)
-    (tensor(0.5000), tensor(0.2500))
+    >>> lambda_star(torch.tensor(1.0), torch.tensor(3.0))
+    tensor(0.5000)
     """
     total = increase + decrease
-    balance = decrease - increase - torch.as_tensor(carried, dtype=total.dtype)
-    return torch.where(total > 0, balance / total.clamp(min=torch.finfo(total.dtype).tiny), 0.0)
+    return torch.where(total > 0, (decrease - increase) / total.clamp(min=torch.finfo(total.dtype).tiny), 0.0)
+
+
+@torch.no_grad()
+def weight_signs(flow: torch.Tensor, sides: str = "both") -> torch.Tensor:
+    """s_t with OPEFO's weight w_t = 1 + lambda * s_t: +1 on S+, -1 on S-, 0 where d_t = 0 (fp32, (B, T)).
+
+    ``sides="increase_only"`` rescales only S+ (s_t = 0 on S-), ``"decrease_only"`` only S-. The weights are affine in
+    lambda, and so is the gradient of the reweighted loss: g = a + lambda b, b the gradient with coefficients s_t.
+
+    >>> weight_signs(torch.tensor([[0.5, -2.0, 0.0]])).tolist()
+    [[1.0, -1.0, 0.0]]
+    """
+    check_choice("opefo_sides", sides, SIDES)
+    signs = torch.sign(flow).float()
+    if sides == "increase_only":
+        return signs.clamp(min=0.0)
+    if sides == "decrease_only":
+        return signs.clamp(max=0.0)
+    return signs
 
 
 @torch.no_grad()
 def token_weights(flow: torch.Tensor, lam: torch.Tensor | float, sides: str = "both") -> torch.Tensor:
-    """Detached fp32 weights: 1 + lambda on S+, 1 - lambda on S-, 1 where d_t = 0.
+    """Detached fp32 weights 1 + lambda * s_t (``weight_signs``): 1 + lambda on S+, 1 - lambda on S-, 1 where
+    d_t = 0 (one-sided with ``sides``).
 
-    ``sides="increase_only"`` rescales only S+ (S- keeps weight 1), ``"decrease_only"`` only S-.
     ``lam`` in [-1, 1] keeps every weight non-negative, which is what makes multiplying the advantage by the
     weight exactly equivalent to weighting the per-token loss for every TRL loss type, clipping included.
     """
-    check_choice("opefo_sides", sides, SIDES)
     lam = torch.as_tensor(lam, dtype=torch.float32, device=flow.device)
-    ones = torch.ones_like(flow, dtype=torch.float32)
-    up = ones + lam if sides in ("both", "increase_only") else ones
-    down = ones - lam if sides in ("both", "decrease_only") else ones
-    return torch.where(flow > 0, up, torch.where(flow < 0, down, ones))
+    return 1.0 + lam * weight_signs(flow, sides)

@@ -41,7 +41,8 @@ from typing import ClassVar
 
 import torch
 
-from .entropy_flow import BALANCES, SIDES, FlowStats, check_choice, flow_stats, lambda_star, token_weights
+from .entropy_flow import BALANCES, SIDES, FlowStats, check_choice, flow_stats, token_weights, weight_signs
+from .param_flow import solve_step_balance
 
 ReduceSum = Callable[[torch.Tensor], torch.Tensor]
 
@@ -65,9 +66,9 @@ class TokenBatch:
     off-policy and entropy masks; 0 for a token that is not in the loss). ``flow`` is d_t, the first-order entropy
     change of each token's update with the configured estimate (see ``entropy_flow``), when the method needs it.
     ``old_logps`` are the behaviour policy's when TRL tracks them (off-policy or vLLM correction), else None (strict
-    on-policy: the ratio is 1). ``carried_flow`` (a scalar, the same on every rank) is the net flow the optimizer
-    step applies besides this batch's, in the units of sum_t f_t d_t: Adam's momentum seen along the `param`
-    direction (``param_flow.carried_flow``); 0 where it is not measured.
+    on-policy: the ratio is 1). ``step_change`` (the `param` estimate, for methods with ``needs_step_model``) maps
+    lambda to the first-order change of the mean token entropy that the real next optimizer step makes when the
+    tokens are weighted 1 + lambda * ``weight_signs`` (``param_flow.StepModel``; the same on every rank).
     """
 
     logps: torch.Tensor
@@ -76,7 +77,7 @@ class TokenBatch:
     factor: torch.Tensor
     flow: torch.Tensor | None = None
     old_logps: torch.Tensor | None = None
-    carried_flow: float = 0.0
+    step_change: Callable[[float], float] | None = None
 
     @property
     def in_loss(self) -> torch.Tensor:
@@ -138,6 +139,16 @@ class TokenMethod:
     def from_config(cls, config) -> TokenMethod:
         """Build from a config object; subclasses that also read TRL options (e.g. epsilon) override this."""
         return cls(cls.settings_from(config))
+
+    @property
+    def needs_step_model(self) -> bool:
+        """Whether ``rollout_weights`` needs ``TokenBatch.step_change`` (the trainer then computes it)."""
+        return False
+
+    def weight_signs(self, batch: TokenBatch) -> torch.Tensor | None:
+        """s_t when the rollout weights are 1 + lambda * s_t for a scalar lambda (what ``step_change`` takes), else
+        None."""
+        return None
 
     def rollout_weights(self, batch: TokenBatch, reduce_sum: ReduceSum = _identity) -> torch.Tensor | None:
         return None
@@ -225,9 +236,9 @@ class OPEFOSettings:
     )
     opefo_balance: str = setting(
         "batch",
-        "What lambda* balances. 'batch' (the paper's): the reweighted batch's own first-order entropy flow sums to 0. "
-        "'step' (this library's): the whole next AdamW step's first-order entropy change is 0, including what Adam's "
-        "momentum carries from earlier batches (nine tenths of each step with beta1=0.9); needs "
+        "What lambda balances. 'batch' (the paper's): the reweighted batch's own first-order entropy flow sums to 0. "
+        "'step' (this library's): the first-order entropy change of the real next AdamW step is 0 (its moments, bias "
+        "correction, eps, weight decay and the gradient clip included), lambda found by a 1-D root search; needs "
         "entropy_flow_estimate='param' with entropy_flow_preconditioner='adam'.",
     )
     opefo_lambda_warn: float = setting(
@@ -264,8 +275,8 @@ class OPEFO(TokenMethod):
 
     The flow d_t comes with the batch (the trainer computes it with ``entropy_flow_estimate``) and every sum is
     weighted by the batch's ``factor``, so lambda* balances the update the loss really applies. With
-    ``opefo_balance="step"`` the target is minus the batch's ``carried_flow`` instead of 0, so that the whole
-    optimizer step, momentum included, leaves the mean entropy unchanged to first order.
+    ``opefo_balance="step"`` lambda is instead the root of ``TokenBatch.step_change`` on [-1, 1]: the real next
+    optimizer step then leaves the mean token entropy unchanged to first order.
     """
 
     Settings = OPEFOSettings
@@ -279,39 +290,65 @@ class OPEFO(TokenMethod):
         self._recent_lambdas: deque[float] = deque(maxlen=self.REGIME_WINDOW)
         self._rollout_metrics: dict[str, float] = {}
         self._warned = False
-        self._clamp_warned = False
+        self._warned_one_sided = False
+        self._warned_unbalanced = False
+
+    @property
+    def needs_step_model(self) -> bool:
+        return self.settings.opefo_balance == "step"
+
+    def weight_signs(self, batch: TokenBatch) -> torch.Tensor:
+        return weight_signs(batch.flow, self.settings.opefo_sides)
 
     def rollout_weights(self, batch: TokenBatch, reduce_sum: ReduceSum = _identity) -> torch.Tensor:
         if batch.flow is None:
             raise ValueError("OPEFO needs the batch's entropy flow (TokenBatch.flow).")
         stats = FlowStats.from_tensor(reduce_sum(flow_stats(batch.flow, batch.factor).to_tensor()))
-        step = self.settings.opefo_balance == "step"
-        carried = batch.carried_flow if step else 0.0  # already the same on every rank: not reduced
-        fixed = self.settings.opefo_lambda
-        if fixed is not None:
-            lam = torch.tensor(fixed, dtype=torch.float64)
-        else:  # weights 1 +/- lambda must stay >= 0: a carried flow beyond the batch's reach is offset in part
-            unclamped = lambda_star(stats.increase, stats.decrease, carried)
-            lam = unclamped.clamp(-1.0, 1.0)
-            if step and abs(float(unclamped)) > 1.0 and not self._clamp_warned:
-                self._clamp_warned = True
+        self._warn_if_one_sided(stats)
+        metrics = {"opefo/lambda": float(stats.lambda_star)}
+        if self.settings.opefo_lambda is not None:
+            lam = float(self.settings.opefo_lambda)
+        elif self.needs_step_model:
+            if batch.step_change is None:
+                raise ValueError("opefo_balance='step' needs the step model (TokenBatch.step_change).")
+            balance = solve_step_balance(batch.step_change)
+            lam = balance.lam
+            metrics.update({"opefo/step_change": balance.residual, "opefo/step_change_unweighted": balance.unweighted})
+            if not balance.bracketed and not self._warned_unbalanced:
+                self._warned_unbalanced = True
                 warnings.warn(
-                    "opefo_balance='step': offsetting the flow Adam's momentum carries needs lambda="
-                    f"{float(unclamped):.3g}, beyond [-1, 1]; lambda is clamped and this step is only partly balanced "
-                    "(warned once; opefo/lambda_applied logs the lambda used, opefo/carried_flow the flow to offset).",
+                    "opefo_balance='step': no lambda in [-1, 1] zeroes the first-order entropy change of this step "
+                    f"(without reweighting {balance.unweighted:.3g}; at lambda={lam:g} still {balance.residual:.3g}): "
+                    "reweighting this batch's sets cannot offset what the optimizer's moments carry. lambda is set to "
+                    "the end point with the smaller change (warned once; opefo/step_change logs what remains).",
                     stacklevel=2,
                 )
-        weights = token_weights(batch.flow, lam.float(), self.settings.opefo_sides)
+        else:
+            lam = float(stats.lambda_star)
+        weights = token_weights(batch.flow, lam, self.settings.opefo_sides)
         weighted = FlowStats.from_tensor(reduce_sum(flow_stats(batch.flow * weights, batch.factor).to_tensor()))
         self._recent_lambdas.append(abs(float(stats.lambda_star)))
-        self._rollout_metrics = {
-            "opefo/lambda": float(stats.lambda_star),
-            "opefo/lambda_applied": float(lam),
-            "opefo/weighted_net": float(weighted.net),
-        }
-        if step:
-            self._rollout_metrics["opefo/carried_flow"] = float(carried)
+        self._rollout_metrics = {**metrics, "opefo/lambda_applied": lam, "opefo/weighted_net": float(weighted.net)}
         return weights
+
+    def _warn_if_one_sided(self, stats: FlowStats) -> None:
+        """P = 0 or N = 0 with flow on the other side: lambda* = +/-1 zeroes every token of that side (warned once)."""
+        one_sided = (float(stats.increase) == 0.0) != (float(stats.decrease) == 0.0)
+        if not one_sided or self._warned_one_sided:
+            return
+        self._warned_one_sided = True
+        empty, other = ("S+", "S-") if float(stats.increase) == 0.0 else ("S-", "S+")
+        warnings.warn(
+            f"OPEFO: this rollout batch has no entropy-{'increasing' if empty == 'S+' else 'decreasing'} token "
+            f"({empty} is empty: P={float(stats.increase):.3g}, N={float(stats.decrease):.3g}, "
+            f"{int(stats.increase_tokens)} / {int(stats.decrease_tokens)} tokens in S+ / S- of "
+            f"{int(stats.tokens)}), so "
+            f"lambda* = {float(stats.lambda_star):+g} gives every {other} token weight 0: only tokens with zero flow "
+            "keep weight 1, and the policy-gradient step is (nearly) empty. This happens when almost every token "
+            "moves entropy the same way (e.g. a batch of mostly EOS or forced tokens). Warned once; opefo/lambda logs "
+            "lambda* every step.",
+            stacklevel=2,
+        )
 
     def on_optimizer_step(self, reduce_sum: ReduceSum = _identity) -> None:
         # Logged on every optimizer step, also when one rollout batch serves several (off-policy opt-in).

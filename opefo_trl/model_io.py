@@ -2,6 +2,9 @@
 
 - Local data files: :func:`local_file_builder` checks JSON / JSONL / Parquet / CSV files and names the `datasets`
   builder that reads them; :func:`load_local_files` loads them.
+- Model paths and weights: :func:`check_model_name_or_path` refuses a model that is neither a local model directory
+  nor a valid hub id; :func:`weight_fingerprints` identifies the weights in a directory by content (``opefo-eval``
+  refuses samples drawn from other weights).
 - Context length: :func:`model_context_length`, the number of tokens prompt + completion must fit (the model
   config's ``max_position_embeddings``, capped by vLLM's ``max_model_len`` when vLLM generates).
 - Prompts: :func:`render_prompts` turns TRL prompts (chats or plain strings) into token ids exactly as
@@ -18,7 +21,10 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,6 +67,8 @@ def local_file_builder(data_files: str | os.PathLike | Sequence[str | os.PathLik
     for path in files:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"Data file {path!r} does not exist.")
+        if _is_blank(path):  # `datasets` fails on it with a bare StopIteration
+            raise ValueError(f"Data file {path!r} is empty; give a file with at least one row.")
         extension = os.path.splitext(path)[1].lower()
         if extension not in LOCAL_FILE_BUILDERS:
             raise ValueError(
@@ -73,12 +81,118 @@ def local_file_builder(data_files: str | os.PathLike | Sequence[str | os.PathLik
     return builders.pop()
 
 
+def _is_blank(path: str, chunk_size: int = 1 << 16) -> bool:
+    """Whether a file holds nothing but whitespace (read up to its first other byte)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_size):
+            if chunk.strip():
+                return False
+    return True
+
+
 def load_local_files(data_files: str | os.PathLike | Sequence[str | os.PathLike], split: str = "train"):
     """Load local JSON / JSONL / Parquet / CSV files (one format) as one `datasets.Dataset` named ``split``."""
     from datasets import load_dataset
 
     builder = local_file_builder(data_files)
     return load_dataset(builder, data_files={split: _as_file_list(data_files)}, split=split)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Model paths
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def looks_like_local_path(name: str) -> bool:
+    """Whether a model name can only be a local path: absolute, relative (``./``, ``~``) or nested below ``a/b``.
+
+    >>> looks_like_local_path("runs/opefo/checkpoint-50"), looks_like_local_path("Qwen/Qwen2.5-Math-7B")
+    (True, False)
+    """
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.sep == "\\" and "\\" in name
+
+
+def check_model_name_or_path(name: str) -> None:
+    """Refuse, without loading anything, a model that is neither a local model directory nor a valid hub id.
+
+    >>> check_model_name_or_path("./no-such-model")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    FileNotFoundError: Model path './no-such-model' does not exist. Give a local model directory or a hub id ...
+    """
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"Model directory {name!r} has no config.json; give a saved model's directory.")
+        return
+    if os.path.exists(path):
+        raise ValueError(f"Model path {name!r} is a file; give the model's directory.")
+    if looks_like_local_path(name):
+        raise FileNotFoundError(
+            f"Model path {name!r} does not exist. Give a local model directory or a hub id such as "
+            "'Qwen/Qwen2.5-Math-7B'."
+        )
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError as err:
+        raise ValueError(f"Model {name!r} is neither a local directory nor a valid hub id ({err})") from None
+
+
+_WEIGHT_FILE_RE = re.compile(r"(\.safetensors|^(pytorch_model|adapter_model)(-\d+-of-\d+)?\.bin)$")
+_BLOCK = 4096
+
+
+def _safetensors_digest(f, digest) -> None:
+    """Header, then the first, middle and last 4 KiB of every tensor: any trained tensor changes them."""
+    header_size = int.from_bytes(f.read(8), "little")
+    header = f.read(header_size)
+    digest.update(header)
+    tensors = json.loads(header)
+    start = 8 + header_size
+    offsets = sorted(t["data_offsets"] for name, t in tensors.items() if name != "__metadata__")
+    for begin, end in ((start + b, start + e) for b, e in offsets):
+        for offset in sorted({begin, max(begin, (begin + end) // 2 - _BLOCK // 2), max(begin, end - _BLOCK)}):
+            f.seek(offset)
+            digest.update(f.read(min(_BLOCK, end - offset)))
+
+
+def weight_file_fingerprint(path: str | os.PathLike) -> str:
+    """A content fingerprint of a weight file read in small pieces (no mtime: a copy keeps it, training changes it).
+
+    safetensors: the header and three 4 KiB blocks of every tensor; other files: 64 blocks of 64 KiB spread over
+    the file. Both with the file size. Training moves every trainable tensor, hence its sampled blocks.
+    """
+    size = os.path.getsize(path)
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        if os.fspath(path).endswith(".safetensors"):
+            try:
+                _safetensors_digest(f, digest)
+                return digest.hexdigest()[:32]
+            except (ValueError, KeyError, TypeError):  # not a readable header: fingerprint it as bytes
+                digest = hashlib.sha256(str(size).encode())
+        block = 1 << 16
+        for offset in sorted({min(i * size // 64, max(0, size - block)) for i in range(64)}):
+            f.seek(offset)
+            digest.update(f.read(block))
+    return digest.hexdigest()[:32]
+
+
+def weight_fingerprints(directory: str | os.PathLike) -> dict[str, str]:
+    """``{file name: weight_file_fingerprint}`` of the weight files of a model or adapter directory.
+
+    >>> weight_fingerprints("/no/such/model")
+    {}
+    """
+    if not os.path.isdir(directory):
+        return {}
+    return {
+        name: weight_file_fingerprint(os.path.join(directory, name))
+        for name in sorted(os.listdir(directory))
+        if _WEIGHT_FILE_RE.search(name) and os.path.isfile(os.path.join(directory, name))
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------------------

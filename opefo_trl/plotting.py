@@ -1,12 +1,15 @@
-"""Training curves from ``trainer_state.json`` files: token entropy, reward, lambda* and the entropy flows.
+"""Training curves from ``trainer_state.json`` or ``metrics.jsonl`` files: token entropy, reward, lambda* and the
+entropy flows.
 
-Works on anything a ``transformers.Trainer`` wrote with ``save_state()`` or a checkpoint: the demo's runs, and real
-GPU runs of ``OPEFOTrainer`` / ``GRPOTrainer``. Only ``state.log_history`` is read; rows without a ``step`` or
-without a metric are skipped, so the final ``train_runtime`` row and evaluation rows do no harm.
+Works on anything a ``transformers.Trainer`` wrote with ``save_state()`` or a checkpoint (the demo's runs, and real
+GPU runs of ``OPEFOTrainer`` / ``GRPOTrainer``), and on the ``metrics.jsonl`` that ``opefo-train`` writes (every
+logged step, also with ``save_strategy: "no"``). Only ``state.log_history`` (or the metrics lines) is read; rows
+without a ``step`` or without a metric are skipped, so the final ``train_runtime`` row and evaluation rows do no harm.
 
-A run is given as a run directory (``output_dir``; if it holds no ``trainer_state.json`` itself, its latest
-``checkpoint-*`` is used), a checkpoint directory, or the path of a ``trainer_state.json``. Runs are labelled by
-folder name (a checkpoint folder by its run's folder); repeated labels are made unique with their parent folder.
+A run is given as a run directory (``output_dir``: its ``trainer_state.json``, else its ``metrics.jsonl`` (or
+``metrics.rank0.jsonl``), else its latest ``checkpoint-*``), a checkpoint directory, or the path of a
+``trainer_state.json`` or ``metrics*.jsonl``. Runs are labelled by folder name (a checkpoint folder by its run's
+folder); repeated labels are made unique with their parent folder.
 
 Example:
     >>> from opefo_trl.plotting import load_runs, plot_runs
@@ -28,6 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 STATE_FILE = "trainer_state.json"
+#: What `opefo-train` writes (`metrics_jsonl`): the main process's file, else rank 0's.
+METRICS_FILES = ("metrics.jsonl", "metrics.rank0.jsonl")
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -66,7 +71,7 @@ _LINESTYLES = ("-", "--", ":", "-.")
 
 
 class RunNotFoundError(FileNotFoundError):
-    """A path given as a run has no ``trainer_state.json`` (nor a checkpoint holding one)."""
+    """A path given as a run has no ``trainer_state.json`` nor ``metrics.jsonl`` (nor a checkpoint holding one)."""
 
 
 @dataclass
@@ -98,17 +103,20 @@ class RunHistory:
 
 
 def find_state_file(path: str | os.PathLike) -> str:
-    """The ``trainer_state.json`` a run path refers to (see the module docstring), or ``RunNotFoundError``."""
+    """The ``trainer_state.json`` or ``metrics.jsonl`` a run path refers to (see the module docstring), or
+    ``RunNotFoundError``."""
     path = os.fspath(path)
     if os.path.isfile(path):
         return path
     if not os.path.isdir(path):
         raise RunNotFoundError(
-            f"{path!r} does not exist; give a run directory, a checkpoint directory or a {STATE_FILE}."
+            f"{path!r} does not exist; give a run directory, a checkpoint directory, a {STATE_FILE} or a "
+            f"{METRICS_FILES[0]}."
         )
-    direct = os.path.join(path, STATE_FILE)
-    if os.path.isfile(direct):
-        return direct
+    for name in (STATE_FILE, *METRICS_FILES):  # metrics.jsonl before a checkpoint: it has every logged step
+        direct = os.path.join(path, name)
+        if os.path.isfile(direct):
+            return direct
     checkpoints = []
     for name in os.listdir(path):
         match = _CHECKPOINT_RE.match(name)
@@ -117,8 +125,9 @@ def find_state_file(path: str | os.PathLike) -> str:
     if checkpoints:
         return os.path.join(path, max(checkpoints)[1], STATE_FILE)
     raise RunNotFoundError(
-        f"No {STATE_FILE} in {path!r} nor in a checkpoint-* folder under it. Point at a run's output_dir after "
-        "`trainer.save_state()` (or with save_strategy != 'no'), a checkpoint folder, or the json file itself."
+        f"No {STATE_FILE} nor {METRICS_FILES[0]} in {path!r}, nor a checkpoint-* folder under it. Point at a run's "
+        "output_dir after `trainer.save_state()` (or with save_strategy != 'no') or from opefo-train, a checkpoint "
+        "folder, or the file itself."
     )
 
 
@@ -130,9 +139,29 @@ def _default_label(state_path: str) -> str:
     return name
 
 
+def _read_metrics_lines(metrics_path: str) -> list[dict]:
+    """The logged rows of a ``metrics.jsonl``; a last line cut short by a kill is left out."""
+    with open(metrics_path) as f:
+        lines = [line for line in f if line.strip()]
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            if number == len(lines):
+                break
+            raise ValueError(f"{metrics_path!r}, line {number}, is not valid JSON ({err}).") from err
+        if not isinstance(row, dict):
+            raise ValueError(f"{metrics_path!r}, line {number}, is not a JSON mapping of metrics.")
+        rows.append(row)
+    return rows
+
+
 def load_run(path: str | os.PathLike, label: str | None = None) -> RunHistory:
     """Read one run's ``log_history`` (see the module docstring for accepted paths)."""
     state_path = find_state_file(path)
+    if state_path.endswith(".jsonl"):
+        return RunHistory(label or _default_label(state_path), state_path, _read_metrics_lines(state_path))
     try:
         with open(state_path) as f:
             state = json.load(f)

@@ -131,3 +131,48 @@ def build_tiny_model(
     with open(marker, "w") as f:
         json.dump(settings, f)
     return path
+
+
+def warm_up_tiny_model(path: str | os.PathLike, output: str | os.PathLike, *, steps: int = 40, lr: float = 3e-3) -> str:
+    """A few supervised AdamW steps of the model at ``path`` on fixed answers ("What is i + 1?" -> "i+1 1 2 3"),
+    saved with its tokenizer under ``output``; return ``output``. The policy is then peaked and away from the entropy
+    maximum, where a small step's first-order entropy change is not swamped by curvature (tests, benchmarks)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    texts = [
+        f"<|im_start|>user\nWhat is {i} + 1?<|im_end|>\n<|im_start|>assistant\n{i + 1} 1 2 3<|im_end|>"
+        for i in range(16)
+    ]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    torch.manual_seed(0)
+    for _ in range(steps):
+        model(**batch, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    output = os.fspath(output)
+    model.save_pretrained(output)
+    tokenizer.save_pretrained(output)
+    return output
+
+
+def keep_rms_norm_in_model_dtype(model):
+    """Qwen2's RMSNorm computes in float32 whatever the model's dtype; patch it, in place, to compute in the dtype of
+    its input, so that a float64 model is float64 throughout (float64 references in tests and benchmarks). Returns
+    the model."""
+    import types
+
+    import torch
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    def rms_norm_in_input_dtype(self, hidden):
+        return self.weight * hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+    for module in model.modules():
+        if isinstance(module, Qwen2RMSNorm):
+            module.forward = types.MethodType(rms_norm_in_input_dtype, module)
+    return model

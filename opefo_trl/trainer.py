@@ -17,8 +17,18 @@ Where the algorithm touches TRL, and why there (the least copied TRL code for th
    may weight (PAR, Clip-Cov) from the current log-probs, adds the method's extra per-token loss (KL-Cov) aggregated
    like TRL's policy loss, accumulates the entropy-flow diagnostics, and at the optimizer-step boundary updates
    method controllers (PAR) and logs. TRL's `_compute_loss` is called, never copied, so its metrics keep flowing.
-4. After the optimizer step (a callback): every `entropy_flow_audit_steps` steps, re-score that step's batch and log
-   the measured change of its mean token entropy next to the predicted one.
+4. Around the optimizer step (callbacks): every `entropy_flow_audit_steps` steps, re-score that step's batch and log
+   the measured change of its mean token entropy; with `param`, also the first-order change predicted from the
+   real gradient before the step and the one of the real parameter change after it.
+
+Ordering TRL must keep (pinned by tests/test_trainer.py; check it on every TRL upgrade, CONTRIBUTING.md): in
+`GRPOTrainer._compute_loss`, the per-token log-probs are computed (through `_get_per_token_logps_and_entropies`)
+*before* `inputs["advantages"]` is read, because the token method writes its weights into the advantages inside
+that call (the weights of deferred rollouts and of PAR / Clip-Cov depend on the training forward's log-probs).
+
+All the library's own forwards (the rollout scoring pass, the `param` estimate's passes, the audit's re-score) go
+through one helper, `_score`; the override of `_get_per_token_logps_and_entropies` only observes the calls TRL makes
+(its old-log-prob pass and the loss forward).
 
 Example:
     >>> from opefo_trl import OPEFOConfig, OPEFOTrainer
@@ -39,6 +49,7 @@ import json
 import os
 import warnings
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 
 import torch
 
@@ -50,31 +61,29 @@ from transformers import TrainerCallback  # noqa: E402
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.models.utils import disable_gradient_checkpointing  # noqa: E402
-from trl.trainer.utils import maybe_gather_lm_head_ctx  # noqa: E402
+from trl.trainer.utils import get_config_model_id, is_async_callable, maybe_gather_lm_head_ctx  # noqa: E402
 
+from .checks import RewardCheck, check_training_values  # noqa: E402
 from .config import OPEFOConfig, check_estimate_backend, with_opefo_settings  # noqa: E402
 from .entropy_flow import TABULAR_ESTIMATES, FlowStats, flow_per_unit_advantage, flow_stats  # noqa: E402
 from .methods import TokenBatch, TokenMethod, get_token_method_class  # noqa: E402
 from .param_flow import (  # noqa: E402
-    FD_RELATIVE_STEPS,
-    adam_momentum_term,
-    adam_preconditioner_,
-    carried_flow,
-    evaluate_on_both_sides,
-    finite_difference_step,
-    global_norm,
+    ParamFlow,
+    ParamFlowEstimator,
+    check_optimizer,
+    first_order_change,
     inner,
-    predicted_entropy_change,
-    relative_error,
+    warn_imprecise,
 )
+from .runs import EpochSeededSampler  # noqa: E402
 from .vocab_stats import vocab_stats  # noqa: E402
 
 METHOD_STATE_NAME = "opefo_method_state.json"
 #: Keys this trainer adds to TRL's micro-batch dicts (they ride along TRL's shuffle and split).
 ROLLOUT_STATS = ("opefo_logps", "opefo_entropies", "opefo_sum_sq_probs", "opefo_sum_sq_probs_log_probs")
 UNIT_FLOW, FACTOR, ADVANTAGES = "opefo_unit_flow", "opefo_factor", "opefo_advantages"
-#: Warn when the `param` estimate's finite-difference check is off by more than this (relative).
-PARAM_CHECK_TOLERANCE = 0.05
+#: The per-token entropies an audited step's batch had before the update, and the precision they were scored in.
+AUDIT_ENTROPIES, AUDIT_FULL_PRECISION = "opefo_audit_entropies", "opefo_audit_full_precision"
 MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "token_type_ids")
 
 
@@ -93,11 +102,36 @@ def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return advantages.unsqueeze(1).expand_as(like) if advantages.dim() == 1 else advantages
 
 
-class _AfterOptimizerStep(TrainerCallback):
-    """Runs the entropy audit right after `optimizer.step()` (before the scheduler moves the learning rate)."""
+def _sequence(batch: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """input_ids, attention_mask and completion length of a TRL micro-batch."""
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    return input_ids, attention_mask, batch["completion_ids"].size(1)
+
+
+@dataclass
+class Scores:
+    """One scoring forward's per-token statistics of the completion tokens, (B, T) each."""
+
+    logps: torch.Tensor
+    entropies: torch.Tensor
+    sum_sq_probs: torch.Tensor | None = None
+    sum_sq_probs_log_probs: torch.Tensor | None = None
+
+    def as_rollout_stats(self) -> dict[str, torch.Tensor]:
+        values = (self.logps, self.entropies, self.sum_sq_probs, self.sum_sq_probs_log_probs)
+        return {key: value.detach() for key, value in zip(ROLLOUT_STATS, values, strict=True) if value is not None}
+
+
+class _AroundOptimizerStep(TrainerCallback):
+    """The entropy audit: just before `optimizer.step()` (gradients clipped) and right after it (before the scheduler
+    moves the learning rate)."""
 
     def __init__(self, trainer: OPEFOTrainer):
         self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._before_optimizer_step()
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.trainer._audit_optimizer_step()
@@ -106,22 +140,27 @@ class _AfterOptimizerStep(TrainerCallback):
 class OPEFOTrainer(GRPOTrainer):
     """A drop-in [`~trl.GRPOTrainer`] whose per-token policy-gradient terms are weighted by a token method.
 
-    Takes exactly `GRPOTrainer`'s arguments. `args` is an [`OPEFOConfig`], or a `GRPOConfig` (or subclass), which is
-    kept as it is (same object, class and fields) and given the OPEFO options with their defaults (`method="opefo"`).
+    Takes exactly `GRPOTrainer`'s arguments (`reward_funcs` optional with an `environment_factory` that owns the
+    reward; `args=None`: `GRPOConfig`'s defaults in `<model>-GRPO`, as `GRPOTrainer` names it). `args` is an
+    [`OPEFOConfig`], or a `GRPOConfig` (or subclass), which is kept as it is (same object, class and fields) and given
+    the OPEFO options with their defaults (`method="opefo"`). What reward functions return is checked on every call
+    (`opefo_trl.checks`), and each epoch's data order follows from the seed and the epoch (`opefo_trl.runs`).
     Logged on top of TRL's metrics: `entropy_flow/{lambda,increase,decrease,net,increase_token_frac,
-    decrease_token_frac}` (with `entropy_flow_diagnostics`), `entropy_flow/{measured_delta,predicted_delta}` (with
-    `entropy_flow_audit_steps`), `entropy_flow/param_check_error` (`param` estimate), and each method's own
-    (`opefo/*`, `par/*`, `clip_cov/*`, `kl_cov/*`); all reduced over ranks.
+    decrease_token_frac}` (with `entropy_flow_diagnostics`), `entropy_flow/measured_delta` (with
+    `entropy_flow_audit_steps`; with `param` also `entropy_flow/{predicted_delta,step_first_order}`),
+    `entropy_flow/{param_check_error,param_lambda_error}` (`param` estimate), and each method's own (`opefo/*`,
+    `par/*`, `clip_cov/*`, `kl_cov/*`); all reduced over ranks.
     """
 
     _tag_names = ["trl", "grpo", "opefo"]
     _name = "OPEFO"
 
-    def __init__(self, model, reward_funcs, args: OPEFOConfig | GRPOConfig | None = None, *pargs, **kwargs):
-        if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path
-            args = OPEFOConfig(output_dir=f"{name.split('/')[-1]}-OPEFO")
+    def __init__(self, model, reward_funcs=None, args: OPEFOConfig | GRPOConfig | None = None, *pargs, **kwargs):
+        if args is None:  # the output_dir GRPOTrainer (TRL 1.16) defaults to, so that swapping the class moves nothing
+            name = model if isinstance(model, str) else get_config_model_id(model.config)
+            args = OPEFOConfig(output_dir=f"{name.split('/')[-1]}-GRPO")
         args = with_opefo_settings(args)
+        check_training_values(args)
         self.token_method: TokenMethod = get_token_method_class(args.method).from_config(args)
         self.flow_estimate: str = args.entropy_flow_estimate
         # The flow of the whole rollout batch is needed before the first backward.
@@ -129,7 +168,7 @@ class OPEFOTrainer(GRPOTrainer):
             args.entropy_flow_diagnostics and self.flow_estimate == "param"
         )
         # Per-call state of the hooks below (None when inactive).
-        self._rollout_capture: dict | None = None  # statistics of the rollout batch being scored
+        self._rollout_capture: dict | None = None  # TRL's old-log-prob pass of the rollout batch being generated
         self._rollout_pending = False  # a new rollout batch was generated and awaits its weights
         self._weights_deferred = False  # rollout weights to be computed from the (single) training micro-batch
         self._loss_inputs: dict | None = None  # the micro-batch whose loss is being computed
@@ -137,16 +176,13 @@ class OPEFOTrainer(GRPOTrainer):
         self._hidden_chunks: list[torch.Tensor] | None = None
         # Sums over the micro-batches of the current optimizer step (reduced over ranks at its end).
         self._step_flow: FlowStats | None = None  # flow of the unweighted (GRPO) update
-        self._step_applied_net: torch.Tensor | None = None  # net flow of the update the loss applies
-        self._step_entropy: torch.Tensor | None = None  # sum of H over the step's tokens and their count
-        self._step_batches: list[dict] = []  # the step's micro-batches, kept for the audit
-        self._applied_net = None  # the last step's applied net flow, reduced (for predicted_delta)
-        self._param_prediction: dict | None = None  # how the next optimizer step scales the flow (param estimate)
-        self._carried_flow = 0.0  # flow the next step carries besides the batch's (param estimate, Adam momentum)
-        self._pre_clip_grad_norm: float | None = None
+        self._step_batches: list[dict] = []  # the audited step's micro-batches, with their entropies before it
+        self._param_flow: ParamFlow | None = None  # the `param` estimate of the step being audited (grad Hbar)
+        self._audit_before: dict[str, float] = {}  # figures taken just before the audited optimizer step
+        self._warned_imprecise = False
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._refuse_unsupported_setup()
-        self.add_callback(_AfterOptimizerStep(self))
+        self.add_callback(_AroundOptimizerStep(self))
 
     # ----------------------------------------------------------------------------------------------------------------
     # Small helpers
@@ -164,6 +200,12 @@ class OPEFOTrainer(GRPOTrainer):
         core = self.accelerator.unwrap_model(self.model)
         return core.get_base_model() if hasattr(core, "get_base_model") else core
 
+    def _trainable_parameters(self) -> list[torch.Tensor]:
+        return [p for p in self.accelerator.unwrap_model(self.model).parameters() if p.requires_grad]
+
+    def _torch_optimizer(self):
+        return getattr(self.optimizer, "optimizer", self.optimizer)  # inside accelerate's AcceleratedOptimizer
+
     def _refuse_unsupported_setup(self) -> None:
         """What the configuration alone could not tell (accelerate's launch config, the weights' dtype)."""
         uses_estimate = self._rollout_flow or self.args.entropy_flow_diagnostics
@@ -171,12 +213,14 @@ class OPEFOTrainer(GRPOTrainer):
             check_estimate_backend(self.flow_estimate, deepspeed=self.is_deepspeed_enabled, fsdp=self.is_fsdp_enabled)
         if self.flow_estimate != "param" or not self._rollout_flow:
             return
-        not_fp32 = sorted({str(p.dtype) for p in self.model.parameters() if p.is_floating_point()} - {"torch.float32"})
-        if not_fp32:
+        dtypes = {p.dtype for p in self._trainable_parameters()}
+        imprecise = sorted(str(d) for d in dtypes - {torch.float32, torch.float64})
+        if imprecise:
             raise ValueError(
-                f"entropy_flow_estimate='param' takes finite differences of float32 forwards, but the model has "
-                f"{not_fp32} weights. Load it in float32 (dtype='float32'; bf16 mixed precision still speeds up the "
-                "training forward), or use a log-prob estimate."
+                f"entropy_flow_estimate='param' takes finite differences of float32 forwards, but the trainable "
+                f"parameters are {imprecise}. Load the model in float32 (dtype='float32'; bf16 mixed precision, "
+                "bf16=True, still speeds up the training forward while the estimate's own passes run in float32), or "
+                "use a log-prob estimate."
             )
 
     def _loss_mask(self, batch: dict) -> torch.Tensor:
@@ -237,7 +281,7 @@ class OPEFOTrainer(GRPOTrainer):
         return factor.float().expand_as(logps)
 
     # ----------------------------------------------------------------------------------------------------------------
-    # Hook 2: every scoring forward
+    # Scoring: the library's own forwards (one helper), and the hidden states of the `full` estimate
     # ----------------------------------------------------------------------------------------------------------------
 
     def _needs_vocab_stats(self, in_loss: bool) -> bool:
@@ -297,18 +341,68 @@ class OPEFOTrainer(GRPOTrainer):
             )
         return stats.sum_sq_probs, stats.sum_sq_probs_log_probs
 
+    def _vocab_stats_of(self, chunks, logits_to_keep: int) -> tuple:
+        return self._completion_vocab_stats(torch.cat(chunks), logits_to_keep) if chunks else (None, None)
+
+    def _score(self, batch: dict, *, full_precision: bool = False, vocab: bool = False) -> Scores:
+        """The policy's statistics of a micro-batch's completion tokens, by one of two forwards:
+
+        - the default: TRL's no-grad scoring path in the training precision (with ``vocab``, for `full`, also the
+          vocabulary sums from the hidden states of the same forward);
+        - ``full_precision``: the fused forward in the parameters' own precision (float32/float64) with autocast off,
+          differentiable when grad is enabled, as the `param` estimate needs. Accelerate's mixed-precision wrapper
+          re-enables autocast inside `model.forward`, so the forward it wraps is called.
+        """
+        input_ids, attention_mask, length = _sequence(batch)
+        if full_precision:
+            model = self.accelerator.unwrap_model(self.model)
+            forward = getattr(model, "_original_forward", model.forward)
+            labels = input_ids.masked_fill(attention_mask == 0, -100)
+            labels[:, :-length] = -100  # only the completion is scored, as in TRL
+            # torch.autograd.grad works through non-reentrant checkpointing (transformers 5's default), not reentrant.
+            kwargs = self.args.gradient_checkpointing_kwargs
+            keep_checkpointing = torch.is_grad_enabled() and not (kwargs or {}).get("use_reentrant")
+            checkpointing = nullcontext() if keep_checkpointing else disable_gradient_checkpointing(self.model, kwargs)
+            with checkpointing, torch.autocast(input_ids.device.type, enabled=False):
+                output = forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
+            return Scores(output.log_probs[:, -length:], output.entropy[:, -length:])
+        with (
+            torch.no_grad(),
+            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
+            self._capture_hidden_states(vocab and self._needs_vocab_stats(False)) as chunks,
+        ):
+            logps, entropies, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+                self,
+                self.model,
+                input_ids,
+                attention_mask,
+                length,
+                batch_size=self.args.per_device_train_batch_size,
+                compute_entropy=True,
+            )
+        return Scores(logps, entropies, *self._vocab_stats_of(chunks, length))
+
+    def _score_full_precision(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log pi_t, H_t) of ``_score(batch, full_precision=True)``: the `param` estimator's scoring function."""
+        scores = self._score(batch, full_precision=True)
+        return scores.logps, scores.entropies
+
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
     ):
+        """Observes the scoring calls TRL makes: its old-log-prob pass over a new rollout (statistics captured) and the
+        loss forward (the token method applied). Every other call is TRL's own."""
         # The first scoring call of a rollout on the policy itself is TRL's old-log-prob pass (the reference pass,
-        # when there is one, comes after it): take its statistics instead of running a pass of our own.
+        # when there is one, comes after it).
         capture = (
-            self._rollout_capture is not None and "logps" not in self._rollout_capture and model is not self.ref_model
+            self._rollout_capture is not None and "scores" not in self._rollout_capture and model is not self.ref_model
         )
         in_loss = self._loss_inputs is not None  # the loss scores only the policy (possibly DDP/DeepSpeed-wrapped)
-        with self._capture_hidden_states(
-            (capture and self._needs_vocab_stats(False)) or (in_loss and self._needs_vocab_stats(True))
-        ) as hidden_chunks:
+        if not (capture or in_loss):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, **kwargs
+            )
+        with self._capture_hidden_states(self._needs_vocab_stats(in_loss)) as chunks:
             logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
                 model,
                 input_ids,
@@ -318,12 +412,10 @@ class OPEFOTrainer(GRPOTrainer):
                 compute_entropy=compute_entropy or capture,
                 **kwargs,
             )
-        vocab = (None, None)
-        if hidden_chunks:
-            vocab = self._completion_vocab_stats(torch.cat(hidden_chunks), logits_to_keep)
+        vocab = self._vocab_stats_of(chunks, logits_to_keep)
         if capture:
-            self._rollout_capture.update(logps=logps.detach(), entropies=entropies.detach(), vocab=vocab)
-        if in_loss:
+            self._rollout_capture["scores"] = Scores(logps.detach(), entropies.detach(), *vocab)
+        else:
             self._apply_token_method(logps, entropies, vocab)
         return logps, entropies, aux_loss
 
@@ -347,15 +439,14 @@ class OPEFOTrainer(GRPOTrainer):
             capture = self._rollout_capture or {}
         finally:
             self._rollout_capture = None
-        old_logps = output.get("old_per_token_logps")
-        if "logps" in capture:
-            if old_logps is None or not torch.equal(capture["logps"], old_logps):
+        if "scores" in capture:
+            old_logps = output.get("old_per_token_logps")
+            if old_logps is None or not torch.equal(capture["scores"].logps, old_logps):
                 raise RuntimeError(
                     "OPEFOTrainer captured a scoring pass that is not TRL's old-log-prob pass; this TRL version's "
                     "_generate_and_score_completions differs from the supported one."
                 )
-            stats = (capture["logps"], capture["entropies"], *capture["vocab"])
-            output.update({key: value for key, value in zip(ROLLOUT_STATS, stats, strict=True) if value is not None})
+            output.update(capture["scores"].as_rollout_stats())
         self._rollout_pending = True
         return output
 
@@ -366,6 +457,10 @@ class OPEFOTrainer(GRPOTrainer):
             self._rollout_pending = False
             self._prepare_rollout(self._buffered_inputs)
         return inputs
+
+    def _audit_due(self) -> bool:
+        every = self.args.entropy_flow_audit_steps
+        return every > 0 and (self.state.global_step + 1) % every == 0
 
     def _prepare_rollout(self, batches: list[dict]) -> None:
         """Factor, flow and (for rollout methods) weights of every micro-batch of a new rollout batch, in place."""
@@ -385,15 +480,14 @@ class OPEFOTrainer(GRPOTrainer):
                 )
         for batch in batches:
             batch[ADVANTAGES] = _per_token(batch["advantages"], batch["completion_mask"]).float()
+        estimator = param_flow = None
         if self.flow_estimate == "param":
-            alignments = self._entropy_alignment(batches)
-        else:
-            alignments = [None] * len(batches)
-            if not captured:
-                for batch in batches:
-                    self._score_micro_batch(batch)
+            estimator, param_flow = self._estimate_param_flow(batches)
+        elif not captured:
+            for batch in batches:
+                batch.update(self._score(batch, vocab=True).as_rollout_stats())
         token_batches = []
-        for batch, alignment in zip(batches, alignments, strict=True):
+        for i, batch in enumerate(batches):
             logps, entropies = batch[ROLLOUT_STATS[0]], batch[ROLLOUT_STATS[1]]
             if FACTOR not in batch:
                 batch[FACTOR] = self._loss_factor(batch, logps, entropies)
@@ -403,7 +497,7 @@ class OPEFOTrainer(GRPOTrainer):
                 self.flow_estimate,
                 batch.get(ROLLOUT_STATS[2]),
                 batch.get(ROLLOUT_STATS[3]),
-                alignment,
+                None if param_flow is None else param_flow.alignment[i],
             )
             token_batches.append(
                 TokenBatch(
@@ -420,163 +514,77 @@ class OPEFOTrainer(GRPOTrainer):
                 f.name: torch.cat([getattr(b, f.name) for b in token_batches])
                 for f in dataclasses.fields(TokenBatch)
                 if isinstance(getattr(token_batches[0], f.name), torch.Tensor)
-            },
-            carried_flow=self._carried_flow if self.flow_estimate == "param" else 0.0,
+            }
         )
+        sizes = [len(b.logps) for b in token_batches]
+        if estimator is not None and self.token_method.needs_step_model:
+            signs = self.token_method.weight_signs(whole).split(sizes)
+            signed = [s * c for s, c in zip(signs, param_flow.coefficients, strict=True)]
+            whole.step_change = self._identical_on_every_rank(
+                estimator.step_model(param_flow, estimator.signed_gradient(batches, signed)).change
+            )
         weights = self.token_method.rollout_weights(whole, self._reduce_sum)
         if weights is not None:
-            for batch, part in zip(batches, weights.split([len(b.logps) for b in token_batches]), strict=True):
+            for batch, part in zip(batches, weights.split(sizes), strict=True):
                 batch["advantages"] = batch[ADVANTAGES] * part
         for batch in batches:
             for key in ROLLOUT_STATS:
                 batch.pop(key, None)
+        if param_flow is not None and self._audit_due():  # grad Hbar is kept for the audit of this step
+            param_flow.loss_grad = None
+            self._param_flow = param_flow
 
-    @torch.no_grad()
-    def _score_micro_batch(self, batch: dict) -> None:
-        """One no-grad forward of the current policy over a micro-batch (text-only), through TRL's scoring path."""
-        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-        self._rollout_capture = {}
-        try:
-            with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-                self._get_per_token_logps_and_entropies(
-                    self.model,
-                    input_ids,
-                    attention_mask,
-                    batch["completion_ids"].size(1),
-                    batch_size=self.args.per_device_train_batch_size,
-                    compute_entropy=True,
-                )
-            capture = self._rollout_capture
-        finally:
-            self._rollout_capture = None
-        stats = (capture["logps"], capture["entropies"], *capture["vocab"])
-        batch.update({key: value for key, value in zip(ROLLOUT_STATS, stats, strict=True) if value is not None})
+    def _identical_on_every_rank(self, change):
+        """The step model's change, averaged over ranks: every rank computes it from the same reduced gradients and
+        replicated optimizer state; averaging makes the root search bit-identical on all of them."""
+        world = self.accelerator.num_processes
+        if world == 1:
+            return change
+
+        def averaged(lam: float) -> float:
+            value = torch.tensor([change(lam)], dtype=torch.float64, device=self.accelerator.device)
+            return float(self._reduce_sum(value)[0]) / world
+
+        return averaged
 
     # ----------------------------------------------------------------------------------------------------------------
-    # The `param` estimate: u_t = <D grad Hbar, grad log pi_t> by a checked central finite difference
+    # The `param` estimate: u_t = <D grad Hbar, grad log pi_t> (opefo_trl.param_flow)
     # ----------------------------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _score_in_fp32(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """log pi_t and H_t of a micro-batch through TRL's fused LM head, with autocast off (float32 throughout)."""
-        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-        length = batch["completion_ids"].size(1)
-        labels = input_ids.masked_fill(attention_mask == 0, -100)
-        labels[:, :-length] = -100  # only the completion is scored, as in TRL
-        with torch.autocast(input_ids.device.type, enabled=False):
-            output = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
-        return output.log_probs[:, -length:], output.entropy[:, -length:]
-
-    def _entropy_alignment(self, batches: list[dict]) -> list[torch.Tensor]:
-        """u_t of every micro-batch for the `param` estimate; fills the micro-batches' log pi_t, H_t (if TRL did not)
-        and loss factor.
-
-        One forward and one or two backwards for grad Hbar (Hbar: mean token entropy of the rollout batch's completion
-        positions over all ranks) and, for the Adam preconditioner, the policy loss's gradient (which enters Adam's
-        second moments this step); then two no-grad forwards at theta +/- e D grad Hbar. All in float32 on the
-        unwrapped model (no DDP hooks), with the configured gradient checkpointing (off only when reentrant, which
-        autograd.grad cannot go through). Extra memory: two fp32 copies of the trainable parameters at most (the
-        gradients, then the direction and the backup the finite difference restores them from).
-        """
-        model = self.accelerator.unwrap_model(self.model)
-        params = [p for p in model.parameters() if p.requires_grad]
-        masks = [self._loss_mask(batch).float() for batch in batches]
-        tokens = self._reduce_sum(sum(mask.sum() for mask in masks).double()).clamp(min=1).float()
-        adam = self.args.entropy_flow_preconditioner == "adam"
-        entropy_grad = [torch.zeros_like(p, dtype=torch.float32) for p in params]
-        loss_grad = [torch.zeros_like(p, dtype=torch.float32) for p in params] if adam else None
-        # torch.autograd.grad works through non-reentrant checkpointing (transformers 5's default), not reentrant.
-        reentrant = self.args.gradient_checkpointing and (self.args.gradient_checkpointing_kwargs or {}).get(
-            "use_reentrant"
+    def _estimate_param_flow(self, batches: list[dict]) -> tuple[ParamFlowEstimator, ParamFlow]:
+        """The `param` estimator over the rollout's micro-batches, in full precision on the unwrapped model (no DDP
+        hooks; gradients are all-reduced by the estimator). Fills each micro-batch's log pi_t, H_t (where TRL did not),
+        loss factor and, for the audit, the entropies before the update."""
+        estimator = ParamFlowEstimator(
+            self._trainable_parameters(),
+            self._score_full_precision,
+            self._reduce_sum,
+            optimizer=self._torch_optimizer(),
+            max_grad_norm=self.args.max_grad_norm,
         )
-        checkpointing = (
-            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs)
-            if reentrant
-            else nullcontext()
-        )
-        with checkpointing, torch.enable_grad():
-            for batch, mask in zip(batches, masks, strict=True):
-                logps, entropies = self._score_in_fp32(model, batch)
-                batch.setdefault(ROLLOUT_STATS[0], logps.detach())
-                batch.setdefault(ROLLOUT_STATS[1], entropies.detach())
-                batch[FACTOR] = self._loss_factor(batch, batch[ROLLOUT_STATS[0]], batch[ROLLOUT_STATS[1]])
-                objectives = [((entropies * mask).sum() / tokens, entropy_grad)]
-                if adam:  # the loss TRL will apply, unweighted: its gradient is the g_t of Adam's v_t
-                    objectives.append((-(batch[FACTOR] * batch[ADVANTAGES] * logps).sum(), loss_grad))
-                for i, (objective, total) in enumerate(objectives):
-                    retain = i + 1 < len(objectives)
-                    parts = torch.autograd.grad(objective, params, retain_graph=retain, allow_unused=True)
-                    for running, part in zip(total, parts, strict=True):
-                        if part is not None:
-                            running.add_(part)
-        for g in entropy_grad:
-            g.copy_(self._reduce_sum(g))
-        self._param_prediction = {"gradient_scale": 1.0, "momentum_term": 0.0}
-        self._carried_flow = 0.0
-        direction = entropy_grad
-        if adam:
-            # Memory: the loss gradient becomes Adam's preconditioner and then the direction D grad Hbar, in place.
-            for g in loss_grad:
-                g.copy_(self._reduce_sum(g))
-            clip = 1.0  # of the unweighted gradient: the reweighted one's norm is known only after the backward
-            if self.args.max_grad_norm:
-                clip = min(1.0, self.args.max_grad_norm / (global_norm(loss_grad) + 1e-6))
-                for g in loss_grad:
-                    g.mul_(clip)
-            gradient_scale = adam_preconditioner_(self.optimizer, params, loss_grad)
-            direction = [d.mul_(g) for d, g in zip(loss_grad, entropy_grad, strict=True)]
-            self._param_prediction = {
-                "gradient_scale": gradient_scale,
-                "momentum_term": adam_momentum_term(self.optimizer, params, direction),
-            }
-            self._carried_flow = carried_flow(self._param_prediction["momentum_term"], gradient_scale, clip)
-        exact = inner(entropy_grad, direction)  # d Hbar / d e along the direction, from the gradient
-        del entropy_grad  # (for the Adam preconditioner; else it is the direction)
-        if exact == 0.0:  # no entropy gradient: no token moves Hbar to first order
-            return [torch.zeros_like(mask) for mask in masks]
 
-        def evaluate():
-            return [self._score_in_fp32(model, batch) for batch in batches]
+        def coefficients(batch, logps, entropies):  # c_t = f_t A_t of the loss TRL will apply, unweighted
+            batch.setdefault(ROLLOUT_STATS[0], logps.float())
+            batch.setdefault(ROLLOUT_STATS[1], entropies.float())
+            batch[AUDIT_ENTROPIES], batch[AUDIT_FULL_PRECISION] = entropies, True
+            batch[FACTOR] = self._loss_factor(batch, batch[ROLLOUT_STATS[0]], batch[ROLLOUT_STATS[1]])
+            return batch[FACTOR] * batch[ADVANTAGES]
 
-        best = None
-        for relative in FD_RELATIVE_STEPS:  # the first step size whose check passes; else the most accurate one
-            step_size = finite_difference_step(params, direction, relative)
-            with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-                plus, minus = evaluate_on_both_sides(params, direction, step_size, evaluate)
-            entropy_change = sum(
-                ((hp - hm) * mask).sum() for (_, hp), (_, hm), mask in zip(plus, minus, masks, strict=True)
-            )
-            measured = float(self._reduce_sum(entropy_change.double()) / tokens / (2 * step_size))
-            error = relative_error(measured, exact)
-            if best is None or error < best[0]:
-                best = (error, step_size, plus, minus)
-            if error <= PARAM_CHECK_TOLERANCE:
-                break
-        error, step_size, plus, minus = best
-        self._log_metrics({"entropy_flow/param_check_error": error})
-        if error > PARAM_CHECK_TOLERANCE and self.accelerator.is_main_process:
-            warnings.warn(
-                f"entropy_flow_estimate='param': the finite-difference derivative of the mean entropy along the "
-                f"entropy gradient differs from the exact one by {error:.1%} at every step size tried "
-                f"{FD_RELATIVE_STEPS}; the per-token flow is imprecise on this batch (float32 resolution or strong "
-                "curvature).",
-                stacklevel=2,
-            )
-        return [((lp - lm) / (2 * step_size)).float() for (lp, _), (lm, _) in zip(plus, minus, strict=True)]
+        flow = estimator.estimate(batches, [self._loss_mask(b).float() for b in batches], coefficients)
+        self._log_metrics({"entropy_flow/param_check_error": flow.check_error})
+        self._log_metrics({"entropy_flow/param_lambda_error": flow.lambda_error})
+        message = warn_imprecise(flow, estimator.relative_steps)
+        if message and not self._warned_imprecise and self.accelerator.is_main_process:
+            self._warned_imprecise = True
+            warnings.warn(message + " (Warned once.)", stacklevel=2)
+        return estimator, flow
 
     # ----------------------------------------------------------------------------------------------------------------
     # Hook 3: every micro-batch
     # ----------------------------------------------------------------------------------------------------------------
 
-    def _audit_due(self) -> bool:
-        every = self.args.entropy_flow_audit_steps
-        return every > 0 and (self.state.global_step + 1) % every == 0
-
     def _compute_loss(self, model, inputs):
         training = self.model.training
-        original = inputs
         # A copy: the method may replace `advantages`, and TRL reuses buffered micro-batches when num_iterations > 1.
         inputs = dict(inputs)
         self._loss_inputs = inputs if training else None
@@ -596,7 +604,7 @@ class OPEFOTrainer(GRPOTrainer):
             loss = loss + self._aggregate_like_policy_loss(self._extra_loss, self._loss_mask(inputs), inputs)
             self._extra_loss = None
         if self._audit_due():
-            self._step_batches.append(original)
+            self._step_batches.append(inputs)
         if self.accelerator.sync_gradients:
             self._end_optimizer_step()
         return loss
@@ -630,72 +638,63 @@ class OPEFOTrainer(GRPOTrainer):
             advantages = advantages * terms.weights
         inputs["advantages"] = advantages
         self._extra_loss = terms.extra_loss
-        audit = self._audit_due()
-        if unit is not None and (self.args.entropy_flow_diagnostics or audit):
-            self._accumulate_step_flow(flow_stats(original * unit, factor), (factor * advantages * unit).sum())
-        if audit:
-            mask = self._loss_mask(inputs).float()
-            sums = torch.stack([(entropies * mask).sum(), mask.sum()]).double()
-            self._step_entropy = sums if self._step_entropy is None else self._step_entropy + sums
-
-    def _accumulate_step_flow(self, stats: FlowStats, applied_net: torch.Tensor) -> None:
-        self._step_flow = stats if self._step_flow is None else self._step_flow + stats
-        applied_net = applied_net.double()
-        self._step_applied_net = applied_net if self._step_applied_net is None else self._step_applied_net + applied_net
+        if unit is not None and self.args.entropy_flow_diagnostics:
+            stats = flow_stats(original * unit, factor)
+            self._step_flow = stats if self._step_flow is None else self._step_flow + stats
+        if self._audit_due() and AUDIT_ENTROPIES not in inputs:
+            inputs[AUDIT_ENTROPIES], inputs[AUDIT_FULL_PRECISION] = entropies, False
 
     def _end_optimizer_step(self) -> None:
         """After the last micro-batch of an optimizer step: controllers, then step-level metrics (all ranks)."""
         self.token_method.on_optimizer_step(self._reduce_sum)
         self._log_metrics(self.token_method.pop_metrics())
         if self._step_flow is not None:
-            packed = self._reduce_sum(torch.cat([self._step_flow.to_tensor(), self._step_applied_net.view(1)]))
-            if self.args.entropy_flow_diagnostics:
-                self._log_metrics(FlowStats.from_tensor(packed[:-1]).metrics())
-            self._applied_net = float(packed[-1])
-            self._step_flow = self._step_applied_net = None
+            self._log_metrics(FlowStats.from_tensor(self._reduce_sum(self._step_flow.to_tensor())).metrics())
+            self._step_flow = None
         message = self.token_method.regime_warning()
         if message and self.accelerator.is_main_process:
             warnings.warn(message, stacklevel=2)
 
     # ----------------------------------------------------------------------------------------------------------------
-    # Hook 4: after the optimizer step, measure what it did
+    # Hook 4: around the optimizer step, measure what it did
     # ----------------------------------------------------------------------------------------------------------------
 
-    def _clip_grad_norm(self, model):
-        norm = super()._clip_grad_norm(model)
-        self._pre_clip_grad_norm = float(norm)
-        return norm
+    @torch.no_grad()
+    def _before_optimizer_step(self) -> None:
+        """`param`, audited step: the first-order change predicted from the real (clipped) gradient and the optimizer's
+        state before the step, and <grad Hbar, theta> to difference after it."""
+        if self._param_flow is None or not self._audit_due():
+            return
+        params, entropy_grad = self._trainable_parameters(), self._param_flow.entropy_grad
+        self._audit_before = {
+            "entropy_flow/predicted_delta": first_order_change(
+                self._torch_optimizer(), params, entropy_grad, (p.grad for p in params)
+            ),
+            "parameter_projection": inner(entropy_grad, params),
+        }
 
     @torch.no_grad()
     def _audit_optimizer_step(self) -> None:
-        """Log the measured change of the step's mean token entropy (re-scored without gradients) and, for `param`,
-        the first-order prediction lr * clip * scale * sum_t f_t w_t d_t."""
-        if not self._audit_due() or self._step_entropy is None:
+        """Log the measured change of the step's mean token entropy: each micro-batch re-scored after the update in the
+        precision of its first scoring, per-token differences summed in float64; with `param`, the predicted change and
+        <grad Hbar, theta_after - theta_before> (the first-order change of the real parameter change)."""
+        if not self._audit_due() or not self._step_batches:
+            self._param_flow, self._step_batches = None, []
             return
-        after = torch.zeros(2, dtype=torch.float64, device=self._step_entropy.device)
-        with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-            for batch in self._step_batches:
-                input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-                attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-                _, entropies, _ = self._get_per_token_logps_and_entropies(
-                    self.model, input_ids, attention_mask, batch["completion_ids"].size(1), compute_entropy=True
-                )
-                mask = self._loss_mask(batch).float()
-                after += torch.stack([(entropies * mask).sum(), mask.sum()]).double()
-        before, after = self._reduce_sum(self._step_entropy), self._reduce_sum(after)
-        self._step_entropy, self._step_batches = None, []
-        metrics = {
-            "entropy_flow/measured_delta": float(after[0] / after[1].clamp(min=1) - before[0] / before[1].clamp(min=1))
-        }
-        if self.flow_estimate == "param" and self._param_prediction is not None and self._applied_net is not None:
-            clip = 1.0
-            if self.args.max_grad_norm and self._pre_clip_grad_norm is not None:
-                clip = min(1.0, self.args.max_grad_norm / (self._pre_clip_grad_norm + 1e-6))
-            learning_rate = self.optimizer.param_groups[0]["lr"]
-            metrics["entropy_flow/predicted_delta"] = predicted_entropy_change(
-                learning_rate, clip, self._applied_net, **self._param_prediction
-            )
+        sums = torch.zeros(2, dtype=torch.float64, device=self.accelerator.device)
+        for batch in self._step_batches:
+            after = self._score(batch, full_precision=batch[AUDIT_FULL_PRECISION]).entropies
+            mask = self._loss_mask(batch).double()
+            sums += torch.stack([((after.double() - batch[AUDIT_ENTROPIES].double()) * mask).sum(), mask.sum()])
+        sums = self._reduce_sum(sums)
+        metrics = {"entropy_flow/measured_delta": float(sums[0] / sums[1].clamp(min=1))}
+        if self._audit_before:
+            params = self._trainable_parameters()
+            after = inner(self._param_flow.entropy_grad, params)
+            metrics["entropy_flow/predicted_delta"] = self._audit_before["entropy_flow/predicted_delta"]
+            metrics["entropy_flow/step_first_order"] = after - self._audit_before["parameter_projection"]
         self._log_metrics(metrics)
+        self._param_flow, self._step_batches, self._audit_before = None, [], {}
 
     # ----------------------------------------------------------------------------------------------------------------
     # Checkpoints: method state (e.g. PAR's coefficient) travels with the optimizer state
@@ -703,14 +702,8 @@ class OPEFOTrainer(GRPOTrainer):
 
     def create_optimizer(self, *args, **kwargs):
         optimizer = super().create_optimizer(*args, **kwargs)
-        if self.flow_estimate == "param" and self.args.entropy_flow_preconditioner == "adam":
-            inner = getattr(optimizer, "optimizer", optimizer)
-            if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-                raise ValueError(
-                    f"entropy_flow_preconditioner='adam' reads Adam's second moments, but the optimizer is "
-                    f"{type(inner).__name__}. Use optim='adamw_torch' (or 'adamw_torch_fused'), or set "
-                    "entropy_flow_preconditioner='none'."
-                )
+        if self.flow_estimate == "param" and self._rollout_flow:
+            check_optimizer(getattr(optimizer, "optimizer", optimizer), self.args.entropy_flow_preconditioner)
         return optimizer
 
     def _save_checkpoint(self, model, trial):
@@ -736,3 +729,26 @@ class OPEFOTrainer(GRPOTrainer):
                 "resume_from_checkpoint."
             )
         self.token_method.load_state_dict(saved["state"])
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Run-time input checks and the data order of resumed runs (opefo_trl.checks, opefo_trl.runs)
+    # ----------------------------------------------------------------------------------------------------------------
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's reward computation with every reward function's output checked (`opefo_trl.checks.RewardCheck`):
+        an exception, a non-number or an infinite reward is raised naming the function, on every process."""
+        check = RewardCheck(num_completions=len(prompts))
+        funcs = self.reward_funcs
+        self.reward_funcs = check.wrap(funcs, self.reward_func_names, is_async=is_async_callable)
+        try:
+            rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        finally:
+            self.reward_funcs = funcs
+        failed = torch.tensor(float(check.error is not None), device=rewards.device)
+        check.raise_if_failed(int(self._reduce_sum(failed)))
+        return rewards
+
+    def _get_train_sampler(self, dataset=None):
+        """TRL's sampler, drawing each epoch's order from the seed and the epoch (`opefo_trl.runs.EpochSeededSampler`),
+        so a resumed run draws what an uninterrupted one does."""
+        return EpochSeededSampler(super()._get_train_sampler(dataset))

@@ -11,6 +11,14 @@ import pytest
 
 
 @pytest.fixture(scope="session")
+def keep_dtype_rms_norm():
+    """``keep_dtype_rms_norm(model) -> model``: a Qwen2 in float64 stays float64 through its RMSNorms."""
+    from opefo_trl.tiny import keep_rms_norm_in_model_dtype
+
+    return keep_rms_norm_in_model_dtype
+
+
+@pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):
     """Path of a saved random tiny Qwen2 model (hidden 64, 2 layers) with its tokenizer."""
     from opefo_trl.tiny import build_tiny_model
@@ -65,3 +73,59 @@ def bench_file(tmp_path_factory):
     """A local benchmark `arith.jsonl` in opefo-eval's default columns: 4 problems, i + (i + 1) with gold 2i + 1."""
     rows = [{"problem": f"What is {i} + {i + 1}?", "answer": str(2 * i + 1)} for i in range(4)]
     return _write_jsonl(tmp_path_factory.mktemp("bench") / "arith.jsonl", rows)
+
+
+@pytest.fixture(scope="session")
+def warm_model_path(tiny_model_path, tmp_path_factory):
+    """The tiny model after a few supervised steps on fixed answers: peaked policies, away from the entropy maximum
+    (near it, a step's first-order entropy change is swamped by curvature)."""
+    from opefo_trl.tiny import warm_up_tiny_model
+
+    return warm_up_tiny_model(tiny_model_path, tmp_path_factory.mktemp("warm") / "model")
+
+
+def _snapshot(folder) -> dict[str, str]:
+    """``{relative path: sha256 of the content}`` of every file under ``folder`` (empty folders as ``path/``)."""
+    import hashlib
+
+    files = {}
+    for root, dirs, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                files[os.path.relpath(path, folder)] = hashlib.sha256(f.read()).hexdigest()
+        for name in dirs:
+            if not os.listdir(os.path.join(root, name)):
+                files[os.path.relpath(os.path.join(root, name), folder) + "/"] = ""
+    return files
+
+
+@pytest.fixture(scope="session")
+def snapshot():
+    """``snapshot(folder)``: file list and contents, to assert that a refused command wrote and deleted nothing."""
+    return _snapshot
+
+
+def _write_checkpoint(folder, step: int, method: str = "opefo"):
+    """``folder/checkpoint-<step>`` with the kinds of files Trainer writes there (safetensors weights, torch.save
+    archives, JSON states, OPEFO's method state), small and whole; returns its path."""
+    import torch
+    from safetensors.torch import save_file
+
+    from opefo_trl.trainer import METHOD_STATE_NAME
+
+    path = folder / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    save_file({"a": torch.arange(3000.0), "b": torch.ones(5, 7)}, str(path / "model.safetensors"))
+    torch.save({"state": {0: torch.zeros(10)}}, path / "optimizer.pt")
+    torch.save({"python": 1}, path / "rng_state.pth")
+    (path / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": []}))
+    (path / METHOD_STATE_NAME).write_text(json.dumps({"method": method, "state": {}}))
+    (path / "tokenizer.json").write_text("{}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def write_checkpoint():
+    """``write_checkpoint(folder, step, method="opefo") -> path``: a small whole checkpoint (see _write_checkpoint)."""
+    return _write_checkpoint

@@ -1,5 +1,5 @@
 """Run by tests/test_distributed.py under `torchrun --nproc_per_node 2`: trains OPEFO two steps and saves, per
-rank, each rollout batch's per-token statistics, its micro-batches and the lambda* the rank used."""
+rank, each rollout batch's per-token statistics, its micro-batches and the lambda the rank used."""
 
 import os
 import sys
@@ -7,13 +7,15 @@ import sys
 import torch
 from conftest import length_reward
 from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from opefo_trl import OPEFOConfig, OPEFOTrainer
+from opefo_trl.tiny import keep_rms_norm_in_model_dtype
 
 MICRO_BATCH_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "num_items_in_batch")
 
 
-def main(model_path: str, out_dir: str, accumulation: str, estimate: str, balance: str = "batch") -> None:
+def main(model_path: str, out_dir: str, accumulation: str, estimate: str, balance: str, loss_type: str, dtype: str):
     rows = [{"prompt": [{"role": "user", "content": f"What is {i} + {2 * i}?"}]} for i in range(16)]
     args = OPEFOConfig(
         output_dir=os.path.join(out_dir, "run"),
@@ -31,9 +33,17 @@ def main(model_path: str, out_dir: str, accumulation: str, estimate: str, balanc
         disable_tqdm=True,
         entropy_flow_estimate=estimate,
         opefo_balance=balance,
+        loss_type=loss_type,
     )
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+    if dtype == "float64":
+        keep_rms_norm_in_model_dtype(model)
     trainer = OPEFOTrainer(
-        model=model_path, reward_funcs=length_reward, args=args, train_dataset=Dataset.from_list(rows)
+        model=model,
+        processing_class=AutoTokenizer.from_pretrained(model_path),
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
     )
     records, micro_batches = [], []
     prepare_rollout, rollout_weights = trainer._prepare_rollout, trainer.token_method.rollout_weights
@@ -54,6 +64,7 @@ def main(model_path: str, out_dir: str, accumulation: str, estimate: str, balanc
                 flow=batch.flow,
                 factor=batch.factor,
                 logps=batch.logps,
+                weights=weights,
                 **trainer.token_method._rollout_metrics,
             )
         )
@@ -72,4 +83,4 @@ def main(model_path: str, out_dir: str, accumulation: str, estimate: str, balanc
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:6])
+    main(*sys.argv[1:8])

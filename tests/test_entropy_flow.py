@@ -53,6 +53,30 @@ def test_full_estimate_matches_exact_entropy_change_of_a_small_step(seed, advant
     assert abs(predicted - exact.item()) / abs(exact.item()) < 1e-3
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_onaction_is_the_move_of_the_sampled_logit_and_opefo_its_log_prob_change_times_the_surprise_gap(seed):
+    """What the two tabular approximations are (docs/algorithm.md section 1), against exact changes of a 50-way
+    softmax: moving only the sampled logit by dz_a = eta A (1 - pi_a) changes H by eta * onaction and log pi_a by
+    eta A (1 - pi_a)^2; opefo is -(log pi_a + H) times that log-prob change, i.e. onaction * (1 - pi_a) / pi_a."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(50, generator=gen, dtype=torch.float64) * 2
+    action = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+    eta, advantage = 1e-6, torch.tensor([0.8], dtype=torch.float64)
+    q = _softmax_quantities(logits, action)
+    pi = float(q["logps"].exp())
+    onaction, opefo = (
+        entropy_flow(q["logps"], q["entropies"], advantage, e).double().item() for e in ("onaction", "opefo")
+    )
+    moved = logits.clone()
+    moved[action] += eta * float(advantage) * (1 - pi)
+    assert (_entropy(moved) - _entropy(logits)).item() / eta == pytest.approx(onaction, rel=1e-4)
+    log_prob_change = (torch.log_softmax(moved, -1)[action] - torch.log_softmax(logits, -1)[action]).item() / eta
+    assert log_prob_change == pytest.approx(float(advantage) * (1 - pi) ** 2, rel=1e-4)
+    surprise_gap = (q["logps"] + q["entropies"]).item()
+    assert opefo == pytest.approx(-surprise_gap * log_prob_change, rel=1e-4)
+    assert opefo == pytest.approx(onaction * (1 - pi) / pi, rel=1e-5)
+
+
 def test_cheap_estimates_share_the_sign_and_differ_in_magnitude():
     gen = torch.Generator().manual_seed(0)
     logps = -torch.rand(4, 7, generator=gen) * 5

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from opefo_trl.entropy_flow import entropy_flow, flow_stats
+from opefo_trl.entropy_flow import entropy_flow, flow_stats, token_weights
 from opefo_trl.methods import (
     OPEFO,
     PAR,
@@ -234,41 +234,66 @@ def test_opefo_balances_the_factor_weighted_flow():
     assert abs(unweighted.item()) > 1e-3 * gross.item()
 
 
-def test_opefo_step_balance_offsets_the_carried_flow():
+def test_opefo_step_balance_takes_the_root_of_the_step_change():
+    """opefo_balance='step': lambda is where the step model's first-order change is 0, not the paper's lambda*."""
     batch = _batch(seed=8)
-    gross = (batch.factor * batch.flow.abs()).double().sum().item()
-    for carried in (0.05 * gross, -0.05 * gross):
-        batch.carried_flow = carried
-        method = OPEFO(opefo_balance="step")
-        weights = method.rollout_weights(batch)
-        applied = (batch.factor * weights * batch.flow).double().sum().item()
-        assert applied + carried == pytest.approx(0.0, abs=1e-6 * gross)  # the whole step's net flow is 0
-        method.on_optimizer_step()
-        metrics = method.pop_metrics()
-        assert metrics["opefo/carried_flow"] == carried
-        assert metrics["opefo/weighted_net"] == pytest.approx(-carried, abs=1e-6 * gross)
-        assert metrics["opefo/lambda"] == pytest.approx(flow_stats(batch.flow, batch.factor).lambda_star.item())
-    # the paper's balance ignores the carried flow
-    torch.testing.assert_close(OPEFO().rollout_weights(batch), OPEFO(opefo_balance="step").rollout_weights(
-        dataclasses.replace(batch, carried_flow=0.0)
-    ))  # fmt: skip
+    calls = []
+
+    def step_change(lam):  # smooth, nonlinear in lambda (Adam's moments), root at 0.2
+        calls.append(lam)
+        return 3e-3 * (lam - 0.2) + 1e-3 * (lam**3 - 0.2**3)
+
+    method = OPEFO(opefo_balance="step")
+    weights = method.rollout_weights(dataclasses.replace(batch, step_change=step_change))
+    method.on_optimizer_step()
+    metrics = method.pop_metrics()
+    assert metrics["opefo/lambda_applied"] == pytest.approx(0.2, abs=1e-7)
+    assert abs(metrics["opefo/step_change"]) <= 1e-7 * abs(metrics["opefo/step_change_unweighted"])
+    assert metrics["opefo/step_change_unweighted"] == pytest.approx(step_change(0.0))
+    assert metrics["opefo/lambda"] == pytest.approx(flow_stats(batch.flow, batch.factor).lambda_star.item())
+    torch.testing.assert_close(weights, token_weights(batch.flow, metrics["opefo/lambda_applied"]))
+    assert len(calls) < 20
+    with pytest.raises(ValueError, match="step model"):
+        OPEFO(opefo_balance="step").rollout_weights(batch)
 
 
-def test_opefo_step_balance_clamps_a_carried_flow_beyond_the_batch():
-    """Weights must stay >= 0: a carried flow larger than the batch's gross flow gets lambda = +/-1 (offset in
-    part)."""
+def test_opefo_step_balance_without_a_root_in_reach_takes_the_better_end_and_warns_once():
     batch = _batch(seed=8)
-    gross = (batch.factor * batch.flow.abs()).double().sum().item()
-    for carried, lam in ((-10 * gross, 1.0), (10 * gross, -1.0)):
+    for change, end in ((lambda lam: -1.0 + 0.1 * lam, 1.0), (lambda lam: 1.0 + 0.1 * lam, -1.0)):
         method = OPEFO(opefo_balance="step")
-        with pytest.warns(UserWarning, match=r"lambda is clamped and this step is only partly balanced"):
-            weights = method.rollout_weights(dataclasses.replace(batch, carried_flow=carried))
+        with pytest.warns(UserWarning, match=r"no lambda in \[-1, 1\] zeroes the first-order entropy change"):
+            weights = method.rollout_weights(dataclasses.replace(batch, step_change=change))
         method.on_optimizer_step()
-        assert method.pop_metrics()["opefo/lambda_applied"] == lam
+        assert method.pop_metrics()["opefo/lambda_applied"] == end
         assert weights.min() >= 0.0
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            method.rollout_weights(dataclasses.replace(batch, carried_flow=carried))  # warned once
+            method.rollout_weights(dataclasses.replace(batch, step_change=change))  # warned once
+
+
+def test_opefo_weight_signs_make_the_weights_affine_in_lambda():
+    batch = _batch(seed=3)
+    for sides in ("both", "increase_only", "decrease_only"):
+        method = OPEFO(opefo_sides=sides)
+        signs = method.weight_signs(batch)
+        for lam in (-0.7, 0.003, 1.0):
+            torch.testing.assert_close(token_weights(batch.flow, lam, sides), 1.0 + lam * signs)
+    assert TokenMethod().weight_signs(batch) is None and not TokenMethod().needs_step_model
+
+
+@pytest.mark.parametrize("empty", ["increase", "decrease"])
+def test_a_one_sided_batch_warns_once_with_the_figures(empty):
+    """P = 0 or N = 0: lambda* = +/-1 zeroes the other side's weights; the user is told at the first occurrence."""
+    batch = _batch(seed=9)
+    batch.flow = -batch.flow.abs() if empty == "increase" else batch.flow.abs()
+    method = OPEFO()
+    with pytest.warns(UserWarning, match=r"is empty: P=.*N=.*gives every S. token weight 0") as caught:
+        weights = method.rollout_weights(batch)
+    assert ("S+ is empty" in str(caught[0].message)) == (empty == "increase")
+    assert weights.abs().max() == 0.0  # every token carries flow, every one gets weight 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        method.rollout_weights(batch)  # warned once
 
 
 def test_opefo_needs_the_flow():

@@ -45,7 +45,12 @@ def test_local_file_errors(tmp_path, write_jsonl):
     csv = tmp_path / "b.csv"
     csv.write_text("q,a\n")
     with pytest.raises(ValueError, match=r"one format, got a mix of \['csv', 'json'\]"):
-        local_file_builder([write_jsonl(tmp_path / "a.jsonl", []), str(csv)])
+        local_file_builder([write_jsonl(tmp_path / "a.jsonl", [{"q": "1+1?", "a": "2"}]), str(csv)])
+    # An empty file (or only blank lines), which `datasets` fails on with a bare StopIteration.
+    for content in ("", "\n  \n"):
+        (tmp_path / "empty.jsonl").write_text(content)
+        with pytest.raises(ValueError, match=r"Data file '.*empty.jsonl' is empty; give a file with at least one row"):
+            load_local_files(str(tmp_path / "empty.jsonl"))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -145,3 +150,19 @@ def test_completion_to_text(completion, text):
 def test_completion_to_text_refuses_other_shapes(completion):
     with pytest.raises(TypeError, match="a string or a list of chat messages ending in an assistant turn"):
         completion_to_text(completion)
+
+
+def test_model_paths_are_checked_without_loading(tiny_model_path, tmp_path):
+    from opefo_trl.model_io import check_model_name_or_path
+
+    check_model_name_or_path(tiny_model_path)
+    check_model_name_or_path("Qwen/Qwen2.5-Math-7B")  # a hub id: left to the hub (or its cache)
+    with pytest.raises(FileNotFoundError, match=r"Model path '\./runs/nope' does not exist. Give a local model"):
+        check_model_name_or_path("./runs/nope")
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        check_model_name_or_path(str(tmp_path))
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match="is a file; give the model's directory"):
+        check_model_name_or_path(str(tmp_path / "weights.bin"))
+    with pytest.raises(ValueError, match="'bad name' is neither a local directory nor a valid hub id"):
+        check_model_name_or_path("bad name")

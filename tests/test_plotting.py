@@ -89,7 +89,7 @@ def test_bad_paths_raise_clear_errors(tmp_path):
     with pytest.raises(RunNotFoundError, match="does not exist"):
         load_run(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(RunNotFoundError, match="No trainer_state.json in"):
+    with pytest.raises(RunNotFoundError, match="No trainer_state.json nor metrics.jsonl in"):
         load_run(tmp_path / "empty")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
@@ -228,3 +228,40 @@ def test_pass_at_k_panel_is_added_and_checked(tmp_path):
         plot_runs(runs, tmp_path / "bad.png", pass_at_k={"grpo": [{1: 0.2, 4: 0.4}, {1: 0.3}]})
     with pytest.raises(ValueError, match=">= 1"):
         plot_runs(runs, tmp_path / "bad.png", pass_at_k={"grpo": [{0: 0.2}]})
+
+
+def _write_metrics(folder, rows, name="metrics.jsonl", tail=""):
+    """A run folder as opefo-train leaves it with save_strategy: "no": metrics lines, no trainer_state.json."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows) + tail)
+    return path
+
+
+def test_a_run_without_trainer_state_is_drawn_from_its_metrics_jsonl(tmp_path, capsys):
+    rows = _rows(5, entropy0=2.0)
+    # A run killed mid-write leaves a partial last line: left out, as opefo-eval's store does.
+    _write_metrics(tmp_path / "opefo", rows, tail='{"step": 6, "entro')
+    _write_metrics(tmp_path / "par", _rows(3, entropy0=1.0), name="metrics.rank0.jsonl")  # every_process
+    out = tmp_path / "curves.png"
+    assert plot_main([str(tmp_path / "opefo"), str(tmp_path / "par"), "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"opefo: {tmp_path / 'opefo' / 'metrics.jsonl'}" in printed and _png_size(out)[0] > 0
+    run = load_run(tmp_path / "opefo")
+    assert run.series("entropy")[0].tolist() == [1, 2, 3, 4, 5]
+    np.testing.assert_allclose(run.series("entropy")[1], [row["entropy"] for row in rows[:5]])
+    assert load_run(tmp_path / "par").series("entropy")[0].tolist() == [1, 2, 3]
+
+
+def test_metrics_jsonl_is_preferred_to_a_checkpoint_and_trainer_state_to_both(tmp_path):
+    """A checkpoint's state stops at its step; metrics.jsonl has every logged step; a saved state is the run's."""
+    _write_state(tmp_path / "run" / "checkpoint-2", _rows(2, 2.0))
+    _write_metrics(tmp_path / "run", _rows(4, 2.0))
+    assert find_state_file(tmp_path / "run") == str(tmp_path / "run" / "metrics.jsonl")
+    assert load_run(tmp_path / "run").series("entropy")[0].tolist() == [1, 2, 3, 4]
+    _write_state(tmp_path / "run", _rows(4, 2.0))
+    assert find_state_file(tmp_path / "run") == str(tmp_path / "run" / "trainer_state.json")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "metrics.jsonl").write_text('{"step": 1\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl', line 1, is not valid JSON"):
+        load_run(tmp_path / "bad")

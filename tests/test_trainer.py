@@ -124,10 +124,10 @@ def test_opefo_trains_with_lora(train, tmp_path, overrides):
     frozen = {}
 
     class Recording(OPEFOTrainer):
-        def _entropy_alignment(self, batches):
+        def _estimate_param_flow(self, batches):
             model = self.accelerator.unwrap_model(self.model)
             frozen.update({n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad})
-            return super()._entropy_alignment(batches)
+            return super()._estimate_param_flow(batches)
 
     trainer = train(make_config(tmp_path, **overrides), Recording, peft_config=peft_config)
     # Every optimizer step logs the flow, also the second update on the same rollout batch (num_iterations=2).
@@ -416,9 +416,17 @@ def test_an_off_policy_grpo_config_is_refused_with_a_fix_that_works_for_it(
     from trl import GRPOConfig
 
     settings = base_settings(tmp_path, num_iterations=2)
-    with pytest.raises(ValueError, match=r"pass an OPEFOConfig \(it takes every GRPOConfig option\) with allow_off"):
-        make_trainer(tiny_model_path, tiny_dataset, length_reward, GRPOConfig(**settings))
-    # The fix the message names works: the same settings in an OPEFOConfig with the opt-in.
+    for fix, line in (("method", 'args.method = "grpo"'), ("allow_off_policy", "args.allow_off_policy = True")):
+        args = GRPOConfig(**settings)
+        with pytest.raises(ValueError) as error:
+            make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
+        assert f"set `{line}`" in str(error.value)
+        # The one line the message names, on the very object that was refused, is the fix.
+        exec(line, {"args": args})
+        trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
+        assert trainer.args is args and getattr(args, fix) in ("grpo", True)
+    with pytest.raises(ValueError, match=r"`OPEFOConfig\(\.\.\., allow_off_policy=True\)`"):
+        OPEFOConfig(**settings)
     OPEFOConfig(**settings, allow_off_policy=True)
 
 
@@ -550,9 +558,61 @@ def test_clip_cov_off_policy_uses_trl_clip_range_and_never_drops_a_ppo_clipped_t
         assert dropped.any() and not (dropped & clipped).any()
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"])
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"]
+
+
+def _micro_batch_with_unequal_lengths(trainer):
+    """The first micro-batch TRL would train on (accumulation 2), with completions of different lengths."""
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    inputs = {k: v for k, v in inputs.items() if not k.startswith("opefo_")}
+    lengths = inputs["completion_mask"].sum(-1)
+    assert len(lengths.unique()) > 1, "the warm model should end its completions at different lengths"
+    return inputs
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_the_loss_factor_is_the_gradient_of_trls_loss_per_token(
+    warm_model_path, tiny_dataset, length_reward, tmp_path, loss_type
+):
+    """f_t A_t = -dL/d log pi_t of TRL's real loss at ratio 1 (docs/algorithm.md section 2), token by token, on a
+    micro-batch with completions of unequal lengths, accumulation 2, a token-level vLLM importance ratio and TRL's
+    high-entropy mask. A copy that gave `grpo` `bnpo`'s normaliser (they agree when all lengths are equal) fails."""
+    from trl import GRPOTrainer
+
+    extra = dict(vllm_importance_sampling_mode="token_truncate") if loss_type == "vespo" else {}
+    args = make_config(
+        tmp_path, loss_type=loss_type, gradient_accumulation_steps=2, per_device_train_batch_size=4,
+        top_entropy_quantile=0.6, **extra,
+    )  # fmt: skip
+    trainer = make_trainer(warm_model_path, tiny_dataset, length_reward, args)
+    inputs = _micro_batch_with_unequal_lengths(trainer)
+    gen = torch.Generator().manual_seed(0)
+    batch, length = inputs["completion_ids"].shape
+    inputs["advantages"] = torch.randn(batch, generator=gen)
+    inputs["importance_sampling_ratio"] = 0.5 + torch.rand(batch, length, generator=gen)
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        logps, entropies, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, ids, attention, length, compute_entropy=True
+        )
+    inputs["old_per_token_logps"] = logps.clone()  # ratio 1
+    leaf = logps.clone().requires_grad_(True)
+    trainer._get_per_token_logps_and_entropies = lambda *args, **kwargs: (leaf, entropies, None)
+    loss = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+    (gradient,) = torch.autograd.grad(loss, leaf)
+    factor = trainer._loss_factor(inputs, logps, entropies)
+    assert (factor == 0).any() and (factor > 0).any()  # masks and the entropy mask at work
+    expected = -factor * inputs["advantages"][:, None]
+    torch.testing.assert_close(gradient, expected, rtol=1e-5, atol=1e-8 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_extra_loss_terms_are_normalised_exactly_like_trl_policy_loss(
-    tiny_model_path, tiny_dataset, length_reward, tmp_path, loss_type
+    warm_model_path, tiny_dataset, length_reward, tmp_path, loss_type
 ):
     """With A = -1 and ratio 1, TRL's policy loss is its own aggregation of a known per-token value (1 for the
     clipped losses, 2 / tau_neg for SAPO, log pi for VESPO and CISPO, clamped for CISPO): ours must match it."""
@@ -562,11 +622,8 @@ def test_extra_loss_terms_are_normalised_exactly_like_trl_policy_loss(
     args = make_config(
         tmp_path, loss_type=loss_type, gradient_accumulation_steps=2, per_device_train_batch_size=4, **extra
     )
-    trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
-    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
-    inputs = {k: v for k, v in inputs.items() if not k.startswith("opefo_")}
+    trainer = make_trainer(warm_model_path, tiny_dataset, length_reward, args)
+    inputs = _micro_batch_with_unequal_lengths(trainer)
     inputs["advantages"] = -torch.ones_like(inputs["completion_mask"], dtype=torch.float32)
     with torch.no_grad():
         trl_loss = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
@@ -604,38 +661,16 @@ def test_the_audit_measures_the_entropy_change_of_the_audited_steps_only(train, 
     assert logged(trainer, "entropy_flow/measured_delta") == [0.0, 0.0]
 
 
-@pytest.fixture(scope="module")
-def warm_model_path(tiny_model_path, tmp_path_factory):
-    """The tiny model after a few supervised steps on fixed answers: peaked policies, away from the entropy maximum
-    (near it, a step's first-order entropy change is swamped by curvature)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-    texts = [
-        f"<|im_start|>user\nWhat is {i} + 1?<|im_end|>\n<|im_start|>assistant\n{i + 1} 1 2 3<|im_end|>"
-        for i in range(16)
-    ]
-    batch = tokenizer(texts, return_tensors="pt", padding=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    torch.manual_seed(0)
-    for _ in range(40):
-        loss = model(**batch, labels=batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    path = str(tmp_path_factory.mktemp("warm") / "model")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+def _audit(trainer, *names):
+    return [logged(trainer, f"entropy_flow/{name}") for name in names]
 
 
-def test_param_predicted_entropy_change_matches_the_measured_one_and_opefo_cancels_it(
+def test_param_with_sgd_predicts_the_measured_change_and_opefo_cancels_it(
     warm_model_path, tiny_dataset, length_reward, tmp_path
 ):
-    """Plain SGD, preconditioner 'none': entropy_flow/predicted_delta (lr * clip * sum f w d) against the audit's
-    re-scored change on every step; on the same first rollout batch OPEFO predicts ~0 and changes entropy >= 20x
-    less than GRPO."""
+    """Plain SGD, preconditioner 'none': the first-order change predicted from the step's real gradient before it,
+    and the one of the real parameter change after it, against the audit's re-scored change on every step; on the
+    same first rollout batch OPEFO changes entropy >= 20x less than GRPO."""
     runs = {}
     for method in ("grpo", "opefo"):
         args = make_config(
@@ -644,66 +679,160 @@ def test_param_predicted_entropy_change_matches_the_measured_one_and_opefo_cance
         )  # fmt: skip
         trainer = make_trainer(warm_model_path, tiny_dataset, length_reward, args)
         trainer.train()
-        runs[method] = (logged(trainer, "entropy_flow/measured_delta"), logged(trainer, "entropy_flow/predicted_delta"))
-    (grpo_measured, grpo_predicted), (opefo_measured, opefo_predicted) = runs["grpo"], runs["opefo"]
-    assert len(grpo_measured) == len(grpo_predicted) == 3
-    for m, p in zip(grpo_measured, grpo_predicted, strict=True):
+        runs[method] = _audit(trainer, "measured_delta", "predicted_delta", "step_first_order")
+    (grpo_measured, grpo_predicted, grpo_first), (opefo_measured, opefo_predicted, _) = runs["grpo"], runs["opefo"]
+    assert len(grpo_measured) == len(grpo_predicted) == len(grpo_first) == 3
+    for m, p, f in zip(grpo_measured, grpo_predicted, grpo_first, strict=True):
         assert abs(m) > 1e-4 and m == pytest.approx(p, rel=0.15)
-    assert all(abs(p) < 1e-8 for p in opefo_predicted)
+        assert f == pytest.approx(p, rel=1e-2)  # the real update is lr * g, up to float32 rounding of theta
+    assert abs(opefo_predicted[0]) <= 0.05 * abs(grpo_predicted[0])
     assert abs(grpo_measured[0]) >= 20 * abs(opefo_measured[0]), (grpo_measured[0], opefo_measured[0])
 
 
-def test_step_balance_predicts_no_entropy_change_for_the_whole_adamw_step(
+def test_grpo_with_param_and_adamw_predicts_the_measured_change_at_a_small_learning_rate(
     warm_model_path, tiny_dataset, length_reward, tmp_path
 ):
-    """AdamW with momentum: the paper's batch balance predicts the change Adam's momentum carries (nonzero from the
-    second step); opefo_balance='step' offsets it, so the whole step's predicted change is ~0."""
+    """torch AdamW (default betas), lr 1e-5: the first-order prediction from the real gradient and Adam's state is
+    within 5% of the re-scored change on every step, and equals the first order of the real parameter change."""
+    args = make_config(
+        tmp_path, method="grpo", entropy_flow_estimate="param", learning_rate=1e-5, max_steps=4, optim="adamw_torch",
+        entropy_flow_audit_steps=1, lr_scheduler_type="constant", max_grad_norm=1e9,
+    )  # fmt: skip
+    trainer = make_trainer(warm_model_path, tiny_dataset, length_reward, args)
+    trainer.train()
+    measured, predicted, first_order = _audit(trainer, "measured_delta", "predicted_delta", "step_first_order")
+    assert len(measured) == 4
+    for m, p, f in zip(measured, predicted, first_order, strict=True):
+        assert abs(m) > 1e-5 and m == pytest.approx(p, rel=0.05)
+        assert f == pytest.approx(p, rel=1e-2)
+
+
+@pytest.fixture(scope="module")
+def warm_model_float64(warm_model_path, keep_dtype_rms_norm):
+    """Loads the warm model in float64 throughout: the real parameter change is then free of float32 rounding, so a
+    first-order change can be compared down to 1e-3 of GRPO's."""
+    from transformers import AutoModelForCausalLM
+
+    def load():
+        return keep_dtype_rms_norm(AutoModelForCausalLM.from_pretrained(warm_model_path, dtype=torch.float64))
+
+    return load
+
+
+def test_the_step_balance_zeroes_the_first_order_change_of_the_real_adamw_step(
+    warm_model_float64, warm_model_path, tiny_dataset, length_reward, tmp_path
+):
+    """opefo_balance='step', torch AdamW with default betas, from Adam's first step: the first-order change of the
+    parameters the optimizer really wrote (entropy_flow/step_first_order, independent of how lambda was chosen) is
+    <= 1e-3 of GRPO's step on the same batch and state (opefo/step_change_unweighted), and on the first batch, which
+    both runs share, the re-scored change is a small fraction of GRPO's."""
+    from transformers import AutoTokenizer
+
     runs = {}
-    for balance in ("batch", "step"):
+    for method, balance in (("grpo", {}), ("opefo", dict(opefo_balance="step"))):
         args = make_config(
-            tmp_path, entropy_flow_estimate="param", opefo_balance=balance, learning_rate=1e-4, max_steps=3,
-            entropy_flow_audit_steps=1, lr_scheduler_type="constant", max_grad_norm=1e9,
+            tmp_path, method=method, entropy_flow_estimate="param", learning_rate=1e-5, max_steps=4,
+            optim="adamw_torch", entropy_flow_audit_steps=1, lr_scheduler_type="constant", max_grad_norm=1e9,
+            **balance,
         )  # fmt: skip
-        trainer = make_trainer(warm_model_path, tiny_dataset, length_reward, args)
+        trainer = OPEFOTrainer(
+            model=warm_model_float64(),
+            processing_class=AutoTokenizer.from_pretrained(warm_model_path),
+            reward_funcs=length_reward,
+            args=args,
+            train_dataset=tiny_dataset,
+        )
         trainer.train()
-        runs[balance] = trainer
-    batch_predicted = logged(runs["batch"], "entropy_flow/predicted_delta")
-    step_predicted = logged(runs["step"], "entropy_flow/predicted_delta")
-    carried = logged(runs["step"], "opefo/carried_flow")
-    assert len(step_predicted) == len(carried) == 3
-    assert carried[0] == 0.0 and all(c != 0.0 for c in carried[1:])  # no momentum before the first step
-    assert "opefo/carried_flow" not in runs["batch"].state.log_history[0]
-    increase, decrease = logged(runs["step"], "entropy_flow/increase"), logged(runs["step"], "entropy_flow/decrease")
-    gross = [p + n for p, n in zip(increase, decrease, strict=True)]
-    for net, c, g in zip(logged(runs["step"], "opefo/weighted_net"), carried, gross, strict=True):
-        assert abs(net + c) <= 1e-5 * g
-    assert all(abs(p) > 1e-7 for p in batch_predicted[1:])
-    for p, reference in zip(step_predicted[1:], batch_predicted[1:], strict=True):
-        assert abs(p) <= 1e-3 * abs(reference), (step_predicted, batch_predicted)
-    # The measured change is not compared here: in Adam's first steps this batch's g_t^2 dominates v_t, the update
-    # is close to sign(g_t) and no first-order balance holds (docs/algorithm.md section 4). tests/test_param_flow.py
-    # measures the step balance on a real AdamW step after 40 steps of history.
+        runs[method] = trainer
+    grpo_measured = logged(runs["grpo"], "entropy_flow/measured_delta")
+    measured, first_order = _audit(runs["opefo"], "measured_delta", "step_first_order")
+    unweighted = logged(runs["opefo"], "opefo/step_change_unweighted")
+    assert len(first_order) == len(unweighted) == 4
+    for f, u in zip(first_order, unweighted, strict=True):
+        assert abs(f) <= 1e-3 * abs(u), (first_order, unweighted)
+    assert unweighted[0] == pytest.approx(logged(runs["grpo"], "entropy_flow/step_first_order")[0], rel=1e-6)
+    assert abs(measured[0]) <= 0.05 * abs(grpo_measured[0]), (measured[0], grpo_measured[0])
+    assert all(abs(lam) < 1 for lam in logged(runs["opefo"], "opefo/lambda_applied"))
 
 
-def test_param_trains_under_bf16_autocast(train, tmp_path):
-    trainer = train(make_config(tmp_path, entropy_flow_estimate="param", bf16=True, max_steps=1))
-    assert logged(trainer, "entropy_flow/param_check_error")[0] < 0.05
-    assert abs(logged(trainer, "opefo/weighted_net")[0]) <= 1e-5 * (
-        logged(trainer, "entropy_flow/increase")[0] + logged(trainer, "entropy_flow/decrease")[0]
-    )
+def _first_rollout(tiny_model_path, tiny_dataset, length_reward, args):
+    """A trainer and its first rollout batch's micro-batches before OPEFO processed them."""
+    trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
+    captured = []
+    prepare = trainer._prepare_rollout
+
+    def capture(batches):
+        captured.append([{k: v.clone() if torch.is_tensor(v) else v for k, v in b.items()} for b in batches])
+        prepare(batches)
+
+    trainer._prepare_rollout = capture
+    trainer.create_optimizer()
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
+    trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    return trainer, captured[0]
 
 
-def test_param_refuses_weights_it_cannot_difference_and_optimizers_without_second_moments(
+def test_param_under_bf16_autocast_gives_the_float32_lambda_star(
     tiny_model_path, tiny_dataset, length_reward, tmp_path
 ):
+    """bf16=True (autocast over float32 weights, the DDP recipes' setting): the estimate's own passes run in float32
+    although accelerate wraps the model's forward in autocast, so lambda* of the same batch is float32's (to 1e-3)."""
+    overrides = dict(entropy_flow_estimate="param", gradient_accumulation_steps=2, per_device_train_batch_size=4)
+    fp32, batches = _first_rollout(tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path, **overrides))
+    bf16 = make_trainer(tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path, bf16=True, **overrides))
+    bf16.model = bf16.accelerator.prepare(bf16.model)  # as Trainer.train does: wraps the forward in autocast
+    assert hasattr(bf16.accelerator.unwrap_model(bf16.model), "_original_forward")
+    bf16.create_optimizer()
+    bf16.current_gradient_accumulation_steps = 2
+    bf16._prepare_rollout([dict(b) for b in batches])
+    ours, reference = bf16.token_method._rollout_metrics, fp32.token_method._rollout_metrics
+    assert ours["opefo/lambda"] == pytest.approx(reference["opefo/lambda"], rel=1e-3)
+    assert ours["opefo/lambda"] != 0.0
+
+
+def test_param_refuses_weights_and_optimizers_it_cannot_model(tiny_model_path, tiny_dataset, length_reward, tmp_path):
     args = make_config(tmp_path, entropy_flow_estimate="param", model_init_kwargs={"dtype": "bfloat16"})
-    with pytest.raises(ValueError, match=r"float32 forwards, but the model has \['torch.bfloat16'\] weights"):
+    with pytest.raises(ValueError, match=r"float32 forwards, but the trainable parameters are \['torch.bfloat16'\]"):
         make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
-    trainer = make_trainer(
-        tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path, entropy_flow_estimate="param", optim="sgd")
-    )
-    with pytest.raises(ValueError, match="Adam's second moments, but the optimizer is SGD"):
+    with pytest.raises(ValueError, match="models the update of adamw_torch / adamw_torch_fused, but optim='sgd'"):
+        make_config(tmp_path, entropy_flow_estimate="param", optim="sgd")
+    with pytest.raises(ValueError, match=r"'none' models the update of sgd, but optim='adamw_torch_fused'"):
+        make_config(tmp_path, entropy_flow_estimate="param", entropy_flow_preconditioner="none")
+    # A custom optimizer is checked when the trainer takes it, before the first step.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    trainer = OPEFOTrainer(
+        model=model, reward_funcs=length_reward, args=make_config(tmp_path, entropy_flow_estimate="param"),
+        train_dataset=tiny_dataset, optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="'adam' models the update of Adam/AdamW, but the optimizer is SGD"):
         trainer.train()
+    assert trainer.state.global_step == 0
+
+
+def test_trl_reads_the_advantages_after_the_scoring_call(tiny_model_path, tiny_dataset, length_reward, tmp_path):
+    """The token method writes its weights into inputs["advantages"] inside TRL's scoring call of the loss; TRL 1.16
+    reads them after it. Weights of 0 must then zero the policy gradient: SGD leaves every parameter as it was,
+    where the same run without them moves the parameters. If a TRL version read the advantages before the scoring
+    call, the weights would be silently dropped and this test fails."""
+
+    class ZeroWeights(OPEFOTrainer):
+        def _apply_token_method(self, logps, entropies, vocab):
+            super()._apply_token_method(logps, entropies, vocab)
+            self._loss_inputs["advantages"] = torch.zeros_like(self._loss_inputs["advantages"])
+
+    moved = {}
+    for trainer_class in (ZeroWeights, OPEFOTrainer):
+        args = make_config(tmp_path, method="grpo", optim="sgd", learning_rate=0.5, max_steps=1, max_grad_norm=0)
+        trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, args, trainer_class)
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        trainer.train()
+        moved[trainer_class] = any(
+            not torch.equal(p.detach(), b) for p, b in zip(trainer.model.parameters(), before, strict=True)
+        )
+    assert moved == {ZeroWeights: False, OPEFOTrainer: True}
 
 
 def test_the_full_statistics_see_the_logits_trl_fused_head_sees(tiny_model_path, tiny_dataset, length_reward, tmp_path):

@@ -6,8 +6,10 @@ snake_case; ``--config recipe.yaml`` sets them from a YAML mapping, the command 
 - ``--config=PATH`` works like ``--config PATH``, and a missing recipe file is named before anything is parsed;
 - abbreviations are refused (argparse would read ``--num_generation`` as ``--num_generations``);
 - an unknown recipe key or command-line flag, which TRL refuses with a bare list, is reported with the closest
-  option names (:func:`unknown_options_error`). TRL checks for them after building the dataclasses, so a value a
-  dataclass refuses is reported first.
+  option names, before any dataclass is built (so before, e.g., transformers' "Your setup doesn't support bf16/gpu"
+  for a GPU recipe parsed on a CPU machine);
+- a recipe value of the wrong type (``max_steps: 2.5``, ``num_generations: [2]``), which argparse does not convert
+  and the dataclasses do not check, is reported with its key and a corrected example (:func:`check_recipe_values`).
 
 transformers' parser also accepts each ``--snake_case`` flag spelt ``--kebab-case``; ``--help`` lists both.
 
@@ -29,9 +31,12 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import enum
 import os
 import re
 import sys
+import types
+import typing
 from collections.abc import Iterable, Sequence
 
 CONFIG_FLAG = "--config"
@@ -133,10 +138,127 @@ def unknown_options_error(err: ValueError, known: Sequence[str], *, prog: str, r
         where, kind = "on the command line", "option(s)"
     else:
         return None
+    return _unknown_names_error(names, known, kind=kind, where=where, prog=prog)
+
+
+def _unknown_names_error(names: Sequence[str], known: Sequence[str], *, kind: str, where: str, prog: str) -> ValueError:
     return ValueError(
         f"Unknown {kind} {where}: {_did_you_mean(names, known)}. `{prog} --help` lists every option; remove or fix "
         f"{'it' if len(names) == 1 else 'them'}."
     )
+
+
+def _refuse_unknown_names(parser, argv: Sequence[str], recipe_values: dict | None, recipe: str | None) -> None:
+    """Unknown recipe keys, then unknown command-line options, before any dataclass is built."""
+    known = option_names(parser)
+    if recipe_values:
+        names = [key for key in recipe_values if key != "env" and key not in known]
+        if names:
+            raise _unknown_names_error(names, known, kind="key(s)", where=f"in recipe {recipe!r}", prog=parser.prog)
+    flags = parser._option_string_actions  # every spelling argparse accepts (--name, --kebab-name, --no_name)
+    names = [arg.split("=", 1)[0][2:] for arg in argv if arg.startswith("--") and len(arg) > 2]
+    names = [name for name in names if f"--{name}" not in flags]
+    if names:
+        raise _unknown_names_error(names, known, kind="option(s)", where="on the command line", prog=parser.prog)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Types of recipe values: argparse converts command-line strings (and string defaults), not YAML numbers and lists
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _accepts(annotation, value, top_level: bool = True) -> bool:
+    """Whether a YAML value fits a dataclass field's annotation. Text at the top level is left to argparse, which
+    converts (and checks) text defaults; inside a list nothing converts it."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is typing.Any or (top_level and isinstance(value, str)):
+        return True
+    if origin is typing.Union or origin is types.UnionType:
+        return any(_accepts(a, value, top_level) for a in args)
+    if annotation is type(None):
+        return value is None
+    if origin is list or annotation is list:
+        item = args[0] if args else typing.Any
+        return top_level and all(_accepts(item, v, False) for v in (value if isinstance(value, list) else [value]))
+    if origin is dict or annotation is dict:
+        return isinstance(value, dict)
+    if isinstance(value, (list, dict)):
+        return False
+    if annotation is str:
+        return top_level or isinstance(value, str)  # a YAML number or boolean for a text option reads as its text
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin is typing.Literal:
+        return value in args
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return isinstance(value, annotation)
+    return True  # a type argparse does not know either: the dataclass checks it
+
+
+_NAMES = {type(None): ("null", "nulls"), bool: ("true or false", "booleans"), int: ("an integer", "integers")}
+_NAMES.update({float: ("a number", "numbers"), str: ("text", "strings")})
+
+
+def _describe(annotation, plural: bool = False) -> str:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Union or origin is types.UnionType:
+        return " or ".join(dict.fromkeys(_describe(a, plural) for a in args))
+    if origin is list or annotation is list:
+        return f"a list of {_describe(args[0], plural=True)}" if args else "a list"
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if annotation in _NAMES:
+        return _NAMES[annotation][plural]
+    return ("mappings" if plural else "a mapping") if origin is dict or annotation is dict else str(annotation)
+
+
+def _example(annotation, value):
+    """A corrected value for the message: the item of a one-item list, a whole float as an integer."""
+    if isinstance(value, list) and len(value) == 1 and _accepts(annotation, value[0]):
+        return value[0]
+    if isinstance(value, float) and value.is_integer() and _accepts(annotation, int(value)):
+        return int(value)
+    return None
+
+
+def check_recipe_values(parser, recipe_values: dict, recipe: str | None) -> None:
+    """Refuse recipe values whose type does not fit their option, naming every one with its expected type.
+
+    A YAML number or list reaches the dataclass as it is (argparse converts only text), so ``max_steps: 2.5`` or
+    ``num_generations: [2]`` would otherwise fail deep inside training.
+
+    Example:
+        >>> from dataclasses import dataclass
+        >>> @dataclass
+        ... class Options:
+        ...     max_steps: int = -1
+        >>> check_recipe_values(build_parser([Options], prog="demo"), {"max_steps": 2.0}, "r.yaml")
+        Traceback (most recent call last):
+        ...
+        ValueError: Recipe 'r.yaml': `max_steps: 2.0` is a float, but max_steps takes an integer (e.g. `max_steps: 2`).
+    """
+    annotations = {}
+    for cls in parser.dataclass_types:
+        hints = typing.get_type_hints(cls)  # the declared types (HfArgumentParser narrows the Field objects' .type)
+        annotations.update({f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init})
+    problems = []
+    for key, value in recipe_values.items():
+        if key not in annotations or _accepts(annotations[key], value):
+            continue
+        annotation = annotations[key]
+        example = _example(annotation, value)
+        hint = "" if example is None else f" (e.g. `{key}: {example}`)"
+        kind = type(value).__name__
+        problems.append(
+            f"`{key}: {value}` is {'an' if kind[0] in 'aeiou' else 'a'} {kind}, but {key} takes "
+            f"{_describe(annotation)}{hint}"
+        )
+    if problems:
+        raise ValueError(f"Recipe {recipe!r}: " + "; ".join(problems) + ".")
 
 
 def parse_options(parser, argv: Sequence[str] | None = None) -> tuple:
@@ -152,6 +274,16 @@ def parse_options(parser, argv: Sequence[str] | None = None) -> tuple:
     argv = _normalise_config_flag(list(sys.argv[1:] if argv is None else argv))
     recipe = _recipe_path(argv)
     try:
+        recipe_values = None
+        if recipe is not None:
+            with open(recipe) as f:
+                recipe_values = yaml.safe_load(f)
+        if not isinstance(recipe_values, dict):
+            recipe_values = None  # TRL refuses a recipe that is not a mapping
+        command_line = [arg for i, arg in enumerate(argv) if CONFIG_FLAG not in (arg, argv[i - 1] if i else None)]
+        _refuse_unknown_names(parser, command_line, recipe_values, recipe)
+        if recipe_values:
+            check_recipe_values(parser, recipe_values, recipe)
         parsed = parser.parse_args_and_config(argv, fail_with_unknown_args=True)
     except yaml.YAMLError as err:
         raise ValueError(f"Recipe file {recipe!r} is not valid YAML: {err}") from err

@@ -4,9 +4,9 @@ Usage:
     opefo-plot runs/grpo runs/opefo --output curves.png
     opefo-plot runs/opefo/checkpoint-500 other/trainer_state.json --output cmp.png --smoothing 0.6
 
-Each RUN is a run's output_dir (its trainer_state.json, else its latest checkpoint-*), a checkpoint folder or the
-json file itself. Runs are labelled by folder name; ``--group`` draws seeds of one setting (``opefo-seed0``,
-``opefo-seed1``) as their mean +- std.
+Each RUN is a run's output_dir (its trainer_state.json, else the metrics.jsonl opefo-train writes, else its latest
+checkpoint-*), a checkpoint folder or the file itself. Runs are labelled by folder name; ``--group`` draws seeds of
+one setting (``opefo-seed0``, ``opefo-seed1``) as their mean +- std.
 """
 
 from __future__ import annotations
@@ -21,10 +21,13 @@ from opefo_trl.plotting import RunNotFoundError, load_runs, plot_runs
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="opefo-plot",
-        description="Plot token entropy, reward, OPEFO's lambda* and the entropy flows from trainer_state.json files.",
+        description="Plot token entropy, reward, OPEFO's lambda* and the entropy flows from trainer_state.json or "
+        "metrics.jsonl files.",
         allow_abbrev=False,  # as opefo-train and opefo-eval: `--smooth` is an error, not `--smoothing`
     )
-    parser.add_argument("runs", nargs="+", metavar="RUN", help="run dir, checkpoint dir or trainer_state.json")
+    parser.add_argument(
+        "runs", nargs="+", metavar="RUN", help="run dir, checkpoint dir, trainer_state.json or metrics.jsonl"
+    )
     parser.add_argument("--output", "-o", required=True, help="PNG file to write")
     parser.add_argument("--title", default=None, help="figure title")
     parser.add_argument(

@@ -10,8 +10,10 @@ are the fields of three dataclasses, all listed by `--help`:
 
 Parsing is shared with `opefo-eval` (`opefo_trl.cli.options`): a misspelt or unknown key, in the recipe or on the
 command line, is an error that names it and the closest options. Everything that can be checked without the model's
-weights is checked before they are loaded: the options, the data files and columns, the reward functions, the
-checkpoint to resume from, and that every prompt plus `max_completion_length` fits the model's context. Such errors
+weights is checked before they are loaded: the options (types of recipe values included), the model path, the data
+files and columns, the reward functions, the output_dir (an earlier run in it is refused unless resumed or
+`--overwrite_output_dir true`), every file of the checkpoint to resume from, and that every prompt plus
+`max_completion_length` fits the model's context. Such errors, and a reward function that fails at its first call,
 are printed as `opefo-train: error: ...` with exit status 2.
 
 Examples:
@@ -33,13 +35,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from opefo_trl.checks import RewardFunctionError
 from opefo_trl.cli.options import INPUT_ERRORS, build_parser, parse_options, report_error
+from opefo_trl.runs import METRICS_FILE, METRICS_FILE_PER_RANK
 
 logger = logging.getLogger("opefo_trl.cli.train")  # not __name__: "__main__" under `python -m`
 
 DEFAULT_REWARD = "math_accuracy_reward"
-METRICS_FILE = "metrics.jsonl"
-METRICS_FILE_PER_RANK = "metrics.rank{rank}.jsonl"
 PROG = "opefo-train"
 
 
@@ -125,6 +127,14 @@ class TrainScriptArguments:
         metadata={
             "help": "Drop prompts too long for context_length - max_completion_length (with a warning) instead "
             "of stopping with an error."
+        },
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start afresh in an output_dir that holds an earlier run: delete its checkpoint-<step> folders, "
+            "metrics*.jsonl, trainer_state.json and saved weights (nothing else) once the model has loaded. Without "
+            "it, such an output_dir is refused unless resume_from_checkpoint resumes a checkpoint in it."
         },
     )
     metrics_jsonl: Literal["main_process", "every_process", "off"] = field(
@@ -232,14 +242,15 @@ def resolve_reward_funcs(names: Sequence[str]) -> list[Callable]:
 
 def validate_args(script_args, training_args, model_args) -> None:
     """Cross-option checks that need no model weights (TRL / OPEFOConfig check their own fields on construction)."""
-    from transformers.trainer_utils import get_last_checkpoint
-
+    from opefo_trl.checks import check_training_values
     from opefo_trl.data import resolve_dataset_source
-    from opefo_trl.model_io import local_file_builder
+    from opefo_trl.model_io import check_model_name_or_path, local_file_builder
     from opefo_trl.templates import get_template
 
     if not model_args.model_name_or_path:
         raise ValueError("model_name_or_path is not set: give a hub id or a local model directory.")
+    check_model_name_or_path(model_args.model_name_or_path)
+    check_training_values(training_args)
     resolve_dataset_source(
         script_args.dataset_name,
         config=script_args.dataset_config,
@@ -259,24 +270,57 @@ def validate_args(script_args, training_args, model_args) -> None:
             f"reward_weights has {len(training_args.reward_weights)} entries but reward_funcs has "
             f"{len(script_args.reward_funcs)} ({script_args.reward_funcs}); give one weight per reward function."
         )
-    resume = training_args.resume_from_checkpoint
-    if resume is True:
-        last = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
-        if last is None:
-            raise ValueError(
-                f"resume_from_checkpoint=true but output_dir {training_args.output_dir!r} has no checkpoint-<step> "
-                "folder. Give the checkpoint's path, or drop resume_from_checkpoint to start afresh."
-            )
-    elif resume is not None and not os.path.isdir(resume):
-        raise FileNotFoundError(
-            f"resume_from_checkpoint {resume!r} is not a directory. Give a checkpoint-<step> folder, or `true` for "
-            f"the last checkpoint in output_dir ({training_args.output_dir!r})."
-        )
+    validate_output_dir(script_args, training_args)
     if model_args.use_peft:
         try:
             import peft  # noqa: F401
         except ImportError as err:
             raise ImportError("use_peft=true needs PEFT: `pip install 'opefo-trl[peft]'`.") from err
+
+
+def _inside(path: str, folder: str) -> bool:
+    return os.path.realpath(os.path.dirname(os.path.normpath(path))) == os.path.realpath(folder)
+
+
+def validate_output_dir(script_args, training_args) -> None:
+    """Refuse to mix two runs in one output_dir, and a checkpoint to resume from that could not be loaded.
+
+    An output_dir holding an earlier run's files (`opefo_trl.runs.run_files`) is accepted only to resume a checkpoint
+    in it, or with `overwrite_output_dir` (which deletes them in :func:`train`, once the model has loaded).
+    """
+    from opefo_trl.runs import check_checkpoint, checkpoints, run_files
+
+    output_dir, resume = training_args.output_dir, training_args.resume_from_checkpoint
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ValueError(f"output_dir {output_dir!r} is a file; give a directory (it is created if missing).")
+    if resume is True:
+        found = checkpoints(output_dir)
+        if not found:
+            raise ValueError(
+                f"resume_from_checkpoint=true but output_dir {output_dir!r} has no checkpoint-<step> folder. Give the "
+                "checkpoint's path, or drop resume_from_checkpoint to start afresh."
+            )
+        resume = found[-1][1]
+    elif resume is not None and not os.path.isdir(resume):
+        raise FileNotFoundError(
+            f"resume_from_checkpoint {resume!r} is not a directory. Give a checkpoint-<step> folder, or `true` for "
+            f"the last checkpoint in output_dir ({output_dir!r})."
+        )
+    resumes_here = resume is not None and _inside(resume, output_dir)
+    if script_args.overwrite_output_dir and resumes_here:
+        raise ValueError(
+            f"overwrite_output_dir would delete the checkpoint {resume} this run resumes from; drop one of the two."
+        )
+    earlier = run_files(output_dir)
+    if earlier and not resumes_here and not script_args.overwrite_output_dir:
+        shown = ", ".join(earlier[:5]) + (f" and {len(earlier) - 5} more" if len(earlier) > 5 else "")
+        raise ValueError(
+            f"output_dir {output_dir!r} holds an earlier run ({shown}); training into it would mix the two runs. "
+            "Resume it with --resume_from_checkpoint true, start afresh in it with --overwrite_output_dir true "
+            "(deletes those files first), or give another --output_dir."
+        )
+    if resume is not None:
+        check_checkpoint(resume, method=training_args.method)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -385,11 +429,14 @@ def prepare_inputs(script_args, training_args, model_args) -> tuple:
     """The checked training data and the reward functions: the last input checks, made before any weights load."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        model_args.model_name_or_path,
-        revision=model_args.model_revision,
-        trust_remote_code=training_args.trust_remote_code,
-    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_args.model_name_or_path,
+            revision=model_args.model_revision,
+            trust_remote_code=training_args.trust_remote_code,
+        )
+    except OSError as err:  # not on the hub, not in the cache when offline, or a directory without a tokenizer
+        raise FileNotFoundError(f"Cannot load the tokenizer of {model_args.model_name_or_path!r}: {err}") from err
     train_dataset = build_train_dataset(script_args, training_args, model_args, tokenizer)
     return train_dataset, resolve_reward_funcs(script_args.reward_funcs)
 
@@ -427,6 +474,13 @@ def train(script_args, training_args, model_args, train_dataset=None, reward_fun
         quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
     )
+    if script_args.overwrite_output_dir and trainer.accelerator.is_main_process:
+        from opefo_trl.runs import remove_run_files
+
+        removed = remove_run_files(training_args.output_dir)
+        if removed:
+            logger.info("overwrite_output_dir: removed the earlier run's %s.", ", ".join(removed))
+    trainer.accelerator.wait_for_everyone()
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
@@ -437,11 +491,24 @@ def train(script_args, training_args, model_args, train_dataset=None, reward_fun
     return trainer
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to sys.stderr as it is when a message is logged: `main` may run again after stderr was replaced
+    (a notebook cell, a test capturing output), and a handler keeping the old stream would write to a closed one."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def _show_package_logs() -> None:
     """Print opefo_trl's INFO messages (data set size, dropped rows) without touching other libraries' logging."""
     package_logger = logging.getLogger("opefo_trl")
     if not package_logger.handlers:
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("[%(asctime)s] [opefo-train] %(message)s", "%H:%M:%S"))
         package_logger.addHandler(handler)
         # INFO on the main process only; warnings from every rank.
@@ -452,8 +519,9 @@ def _show_package_logs() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of `opefo-train` (also `python -m opefo_trl.cli.train`); returns the exit status.
 
-    Bad input (an option, recipe, data file or column, reward function or checkpoint), found before the model
-    weights load, is printed as `opefo-train: error: ...` with exit status 2, as opefo-eval reports it.
+    Bad input (an option, recipe, data file or column, reward function, output_dir or checkpoint), found before the
+    model weights load, is printed as `opefo-train: error: ...` with exit status 2, as opefo-eval reports it; so is a
+    reward function that raises or returns non-numbers, found at its first call.
     """
     _show_package_logs()
     try:
@@ -461,7 +529,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         train_dataset, reward_funcs = prepare_inputs(script_args, training_args, model_args)
     except INPUT_ERRORS as err:
         return report_error(PROG, err)
-    train(script_args, training_args, model_args, train_dataset, reward_funcs)
+    try:
+        train(script_args, training_args, model_args, train_dataset, reward_funcs)
+    except RewardFunctionError as err:  # found at the first reward computation: no traceback, as for bad input
+        return report_error(PROG, err)
     return 0
 
 

@@ -3,10 +3,11 @@
 ``python -m opefo_trl.demo.diagnose`` takes the demo's options (one method with a tabular estimate, e.g. ``opefo``;
 one or more ``--seeds``; one ``--numerics``) and the demo's ``--output_dir``, whose cached warm start it reuses. Each
 run is repeated with the same code path (``train_one``) by a trainer that, before every update, also computes the
-``param`` estimate's per-token flow d_t = A_t <D grad Hbar, grad log pi_t> on the same batch (the library's own
-``_entropy_alignment``: Adam-preconditioned, finite difference checked against the exact derivative). That extra
-work draws no random numbers and restores the parameters bit for bit, so the run must reproduce the demo's logged
-trajectory; ``reproduced`` in the output says whether it did (compared with ``runs/<numerics>/<method>-seed<k>``).
+``param`` estimate's per-token flow d_t = A_t <D grad Hbar, grad log pi_t> on the same batch (the trainer's own
+``param`` estimator: Adam-preconditioned, finite difference checked against the exact derivative and net flow).
+That extra work draws no random numbers and restores the parameters bit for bit, so the run must reproduce the
+demo's logged trajectory; ``reproduced`` in the output says whether it did (compared with
+``runs/<numerics>/<method>-seed<k>``).
 
 Per step it records (``OUTPUT_DIR/diagnose/<numerics>/<method>-seed<k>/diagnostics.json``, figure ``diagnose.png``):
 
@@ -55,7 +56,7 @@ def diagnostic_trainer_class():
 
     from opefo_trl import OPEFOTrainer
     from opefo_trl.entropy_flow import flow_per_unit_advantage, flow_stats, lambda_star, token_weights
-    from opefo_trl.param_flow import predicted_entropy_change
+    from opefo_trl.param_flow import adam_preconditioner, first_order_change, inner, param_groups
     from opefo_trl.trainer import ADVANTAGES, FACTOR, ROLLOUT_STATS, _per_token
 
     class DiagnosticTrainer(OPEFOTrainer):
@@ -86,8 +87,9 @@ def diagnostic_trainer_class():
             copies = [dict(batch) for batch in batches]
             for batch in copies:
                 batch[ADVANTAGES] = _per_token(batch["advantages"], batch["completion_mask"]).float()
-            alignment = torch.cat([u.flatten() for u in self._entropy_alignment(copies)])
-            prediction = dict(self._param_prediction)
+            _, flow = self._estimate_param_flow(copies)
+            alignment = torch.cat([u.flatten() for u in flow.alignment])
+            self._reference_entropy_grad = flow.entropy_grad  # grad Hbar, for the step's first-order change
 
             def cat(key):
                 return torch.cat([b[key].flatten() for b in copies]).double()
@@ -116,8 +118,6 @@ def diagnostic_trainer_class():
                 "tabular_net_applied": float((factor * weights * tabular).sum()),
                 "sign_disagreement_tokens": float(disagree.sum() / in_loss.sum().clamp(min=1)),
                 "sign_disagreement_flow": float((factor * exact.abs())[disagree].sum()) / gross if gross else 0.0,
-                "learning_rate": self.optimizer.param_groups[0]["lr"],
-                **prediction,
                 "classes": {},
             }
             token_class = self._token_class[ids]
@@ -137,17 +137,27 @@ def diagnostic_trainer_class():
                 }
             self.records.append(record)
 
-        def _audit_optimizer_step(self) -> None:
-            super()._audit_optimizer_step()
-            record = self.records[-1]
-            clip = 1.0
-            if self.args.max_grad_norm and self._pre_clip_grad_norm is not None:
-                clip = min(1.0, self.args.max_grad_norm / (self._pre_clip_grad_norm + 1e-6))
-            lr, scale = record["learning_rate"], record["gradient_scale"]
-            record["clip"] = clip
-            record["predicted_batch"] = predicted_entropy_change(lr, clip, record["param_net_applied"], scale)
-            record["predicted_momentum"] = -lr * record["momentum_term"]
-            record["predicted"] = record["predicted_batch"] + record["predicted_momentum"]
+        @torch.no_grad()
+        def _before_optimizer_step(self) -> None:
+            # The real (clipped) gradient is in p.grad: the first-order change of Hbar this AdamW step makes, and the
+            # part of it Adam's momentum carries: update = -lr (c1 g + c2 m_prev) D, D = 1 / (sqrt(v_hat) + eps)
+            # with this g in v_hat, so the momentum's part is -lr c2 m_prev D.
+            super()._before_optimizer_step()
+            optimizer, params = self._torch_optimizer(), self._trainable_parameters()
+            entropy_grad, record = self._reference_entropy_grad, self.records[-1]
+            record["predicted"] = first_order_change(optimizer, params, entropy_grad, (p.grad for p in params))
+            groups, momentum = param_groups(optimizer), 0.0
+            for p, h in zip(params, entropy_grad, strict=True):
+                state, group = optimizer.state.get(p), groups[id(p)]
+                if p.grad is None or not state:
+                    continue
+                beta1, step = group["betas"][0], float(state["step"]) + 1
+                d = adam_preconditioner(optimizer, group, p, p.grad)
+                update = state["exp_avg"].to(d.dtype).mul(d).mul_(-group["lr"] * beta1 / (1 - beta1**step))
+                momentum += inner([h], [update])
+            record["predicted_momentum"] = momentum
+            record["predicted_batch"] = record["predicted"] - momentum  # with weight decay 0, the gradient's part
+            self._reference_entropy_grad = None
 
     return DiagnosticTrainer
 

@@ -38,7 +38,9 @@ Outputs in ``output_dir``:
 
 - ``samples.jsonl``: one line per sample (with its seed), appended and flushed after every generation batch. A
   re-run with the same settings skips what is already there, so an interrupted run resumes where it stopped.
-- ``run_config.json``: the generation settings; resuming with different ones is refused.
+- ``run_config.json``: the generation settings and a content fingerprint of the weight files (adapter included;
+  :func:`opefo_trl.model_io.weight_fingerprints`); resuming with other settings, or after the weights changed (e.g.
+  more training into the model's directory), is refused. A hub model is known by its id only.
 - ``results.json``: settings, per-benchmark metrics, per-problem rows (extracted answers, scores, n, c, majority
   answer) and the average over benchmarks.
 - ``results.md``: a markdown table, benchmarks x metrics, with an ``average`` row.

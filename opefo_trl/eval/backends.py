@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..model_io import looks_like_local_path, weight_fingerprints
 from .config import BACKENDS, EvaluationConfig
 from .store import SampleJob
 
@@ -31,9 +32,13 @@ class ModelSource:
     adapter_path: str | None = None
     tokenizer_path: str | None = None
 
-
-def _looks_local(path: str) -> bool:
-    return path.startswith(("/", ".", "~")) or path.count("/") > 1 or os.sep == "\\" and "\\" in path
+    def weight_fingerprints(self) -> dict[str, str]:
+        """Content fingerprints of the local weight files, ``model/<file>`` and ``adapter/<file>``
+        (:func:`opefo_trl.model_io.weight_fingerprints`); a hub model is known by its id alone."""
+        prints = {f"model/{name}": value for name, value in weight_fingerprints(self.model_path).items()}
+        if self.adapter_path is not None:
+            prints.update({f"adapter/{name}": value for name, value in weight_fingerprints(self.adapter_path).items()})
+        return prints
 
 
 def resolve_model_source(model_name_or_path: str, base_model_name_or_path: str | None = None) -> ModelSource:
@@ -59,7 +64,7 @@ def resolve_model_source(model_name_or_path: str, base_model_name_or_path: str |
                     "base_model_name_or_path."
                 )
             base_path = os.path.expanduser(base)
-            if _looks_local(base) and not os.path.isdir(base_path):
+            if looks_like_local_path(base) and not os.path.isdir(base_path):
                 raise FileNotFoundError(
                     f"The base model {base!r} of adapter {path} does not exist; pass base_model_name_or_path."
                 )
@@ -68,7 +73,7 @@ def resolve_model_source(model_name_or_path: str, base_model_name_or_path: str |
         if os.path.isfile(os.path.join(path, "config.json")):
             return ModelSource(path, tokenizer_path=path)
         raise FileNotFoundError(f"{path} holds neither a model (config.json) nor a PEFT adapter (adapter_config.json).")
-    if os.path.exists(path) or _looks_local(model_name_or_path):
+    if os.path.exists(path) or looks_like_local_path(model_name_or_path):
         raise FileNotFoundError(f"Model path {model_name_or_path!r} does not exist.")
     return ModelSource(model_name_or_path, tokenizer_path=model_name_or_path)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -134,6 +135,8 @@ class EvaluationConfig:
             raise ValueError(f"Unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}.")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"Unknown dtype {self.dtype!r}; choose auto, bfloat16, float16 or float32.")
+        if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
+            raise ValueError(f"output_dir {self.output_dir!r} is a file; give a directory (it is created if missing).")
         get_template(self.prompt_template)  # unknown template: ValueError listing the valid ones
         parse_benchmark_files(self.benchmark_files)
 

@@ -14,7 +14,7 @@ from .backends import ModelSource, TransformersBackend, VLLMBackend, resolve_mod
 from .benchmarks import build_prompt_ids, context_length_warning, load_problems, resolve_benchmarks
 from .config import EvaluationConfig
 from .metrics import average_over_benchmarks, compute_benchmark_metrics, format_markdown_table, score_problem
-from .store import SampleJob, SampleStore, pending_jobs
+from .store import WEIGHTS_KEY, SampleJob, SampleStore, pending_jobs
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,11 @@ RESULTS_MARKDOWN = "results.md"
 def _load_tokenizer(source: ModelSource):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(source.tokenizer_path or source.model_path)
+    name = source.tokenizer_path or source.model_path
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except OSError as err:  # not on the hub, not in the cache when offline, or a directory without a tokenizer
+        raise FileNotFoundError(f"Cannot load the tokenizer of {name!r}: {err}") from err
 
 
 def _context_length(source: ModelSource, config: EvaluationConfig, backend_name: str) -> int | None:
@@ -45,7 +49,8 @@ def evaluate(
     """Sample, score and summarise; write ``samples.jsonl``, ``results.json`` and ``results.md``; return the results.
 
     Everything that can be checked without the model is checked first (benchmark names, ``k <= n``, model path,
-    backend, data columns, stored samples); the model is loaded only if samples are missing.
+    backend, data columns, stored samples and the weights they were drawn from); the model is loaded only if samples
+    are missing.
 
     Args:
         config: The evaluation options.
@@ -62,7 +67,7 @@ def evaluate(
     problems_by_benchmark = {b.name: load_problems(b, config.max_problems) for b in benchmarks}
 
     store = SampleStore(config.output_dir, overwrite=config.overwrite)
-    store.check_settings(config.generation_settings(backend_name))
+    store.check_settings({**config.generation_settings(backend_name), WEIGHTS_KEY: source.weight_fingerprints()})
     for benchmark in benchmarks:
         store.check_problems(benchmark.name, problems_by_benchmark[benchmark.name])
 

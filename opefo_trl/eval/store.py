@@ -22,6 +22,10 @@ logger = logging.getLogger(__name__)
 
 SAMPLES_FILE = "samples.jsonl"
 RUN_CONFIG_FILE = "run_config.json"
+#: Settings key of the weight files' fingerprints (`ModelSource.weight_fingerprints`) the samples were drawn from.
+WEIGHTS_KEY = "weights"
+#: The fields of a stored sample that resuming and scoring read.
+RECORD_FIELDS = ("benchmark", "problem_id", "sample_index", "fingerprint", "completion", "num_tokens", "finish_reason")
 
 
 def sample_seed(seed: int, benchmark: str, problem_id: int, sample_index: int) -> int:
@@ -83,6 +87,13 @@ class SampleStore:
                 raise ValueError(
                     f"{self.samples_path}, line {number}, is not valid JSON; fix or remove the file."
                 ) from None
+            missing = [k for k in RECORD_FIELDS if k not in record] if isinstance(record, dict) else RECORD_FIELDS
+            if missing:
+                raise ValueError(
+                    f"{self.samples_path}, line {number}, is not a stored sample (no {', '.join(missing)}): "
+                    f"{line.strip()[:120]}. Fix or remove that line, or discard every stored sample with "
+                    "overwrite=True (--overwrite true)."
+                )
             self.samples[(record["benchmark"], record["problem_id"], record["sample_index"])] = record
 
     def _rewrite_without_last_line(self, lines: list[str]) -> None:
@@ -98,6 +109,8 @@ class SampleStore:
                 stored = json.load(f)
             if self.samples:
                 changed = {k: (stored.get(k), v) for k, v in settings.items() if stored.get(k) != v}
+                if WEIGHTS_KEY in changed:
+                    raise ValueError(self._weights_changed(*changed[WEIGHTS_KEY], settings.get("model_name_or_path")))
                 if changed:
                     details = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
                     raise ValueError(
@@ -106,6 +119,17 @@ class SampleStore:
                     )
         with open(self.settings_path, "w") as f:
             json.dump(settings, f, indent=2)
+
+    def _weights_changed(self, stored: dict | None, current: dict, model: str | None) -> str:
+        if stored is None:
+            what = "weights this opefo-eval did not record (an earlier version wrote them)"
+        else:
+            files = sorted(k for k in stored.keys() | current.keys() if stored.get(k) != current.get(k))
+            what = f"other weights: {', '.join(files)} changed since (e.g. training wrote into {model})"
+        return (
+            f"{self.output_dir} holds {len(self.samples)} samples drawn from {what}. Use another output_dir, or "
+            "overwrite=True (--overwrite true) to discard them and sample the current weights."
+        )
 
     def check_problems(self, benchmark: str, problems: Sequence[Problem]) -> None:
         """Refuse stored samples of a problem whose question or gold answer changed since they were drawn."""

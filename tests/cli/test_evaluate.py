@@ -1,5 +1,7 @@
 """`opefo-eval` through `main(argv)`: a run on the tiny model, the same run from a YAML recipe, bad input."""
 
+import os
+
 from opefo_trl.cli.evaluate import main
 
 
@@ -45,3 +47,14 @@ def test_cli_runs_and_reports_bad_input(tiny_model_path, bench_file, tmp_path, c
     # Kebab-case spellings are transformers' aliases of the same options.
     assert main(["--config", str(recipe), "--max-problems", "2"]) == 0
     assert (tmp_path / "samples.jsonl").read_text() == written
+
+
+def test_cli_refuses_an_empty_benchmark_file_and_an_output_dir_that_is_a_file(tiny_model_path, tmp_path, capsys):
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "out.txt").write_text("a file")
+    args = ["--model_name_or_path", tiny_model_path, "--backend", "transformers", "--no_progress"]
+    assert main(args + ["--benchmarks", str(tmp_path / "empty.jsonl"), "--output_dir", str(tmp_path / "o")]) == 2
+    assert f"opefo-eval: error: Data file '{tmp_path / 'empty.jsonl'}' is empty" in capsys.readouterr().err
+    assert main(args + ["--benchmarks", "aime24", "--output_dir", str(tmp_path / "out.txt")]) == 2
+    assert f"output_dir '{tmp_path / 'out.txt'}' is a file; give a directory" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["empty.jsonl", "out.txt"]

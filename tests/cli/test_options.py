@@ -112,3 +112,48 @@ def test_other_errors_are_left_alone():
     assert (
         unknown_options_error(ValueError("learning_rate must be > 0"), ["learning_rate"], prog="t", recipe=None) is None
     )
+
+
+def test_recipe_values_are_checked_against_the_declared_types(tmp_path):
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class Typed:
+        max_steps: int = -1
+        learning_rate: float = 1e-6
+        use_vllm: bool = False
+        run_name: str | None = None
+        num_generations: int | None = 8
+        reward_funcs: list[str] = field(default_factory=lambda: ["a"])
+        weights: list[float] | None = None
+        kwargs: dict | str | None = None
+
+    parser = build_parser([Typed], prog="tool")
+    recipe = tmp_path / "r.yaml"
+    # What YAML gives and the options take: ints for floats, text anywhere (argparse converts it), a mapping for a
+    # dict option, one value for a list option, null for an optional one.
+    recipe.write_text(
+        "max_steps: 3\nlearning_rate: 1\nuse_vllm: true\nrun_name: 42\nnum_generations: null\nreward_funcs: x\n"
+        "weights: [1, 0.5]\nkwargs: {a: 1}\n"
+    )
+    (options,) = parse_options(parser, ["--config", str(recipe)])
+    assert (options.max_steps, options.learning_rate, options.reward_funcs, options.kwargs) == (3, 1, "x", {"a": 1})
+    recipe.write_text("max_steps: 2.0\nuse_vllm: 1\nweights: [1, x]\nrun_name: [a]\nkwargs: [1]\n")
+    with pytest.raises(ValueError) as error:
+        parse_options(parser, ["--config", str(recipe)])
+    assert str(error.value) == (
+        f"Recipe '{recipe}': `max_steps: 2.0` is a float, but max_steps takes an integer (e.g. `max_steps: 2`); "
+        "`use_vllm: 1` is an int, but use_vllm takes true or false; `weights: [1, 'x']` is a list, but weights takes "
+        "a list of numbers or null; `run_name: ['a']` is a list, but run_name takes text or null (e.g. "
+        "`run_name: a`); `kwargs: [1]` is a list, but kwargs takes a mapping or text or null (e.g. `kwargs: 1`)."
+    )
+
+
+def test_unknown_names_are_reported_before_any_value_is_checked(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("learning_rat: 1\nreward_funcs: 3\nlearning_rate: [1]\n")
+    with pytest.raises(ValueError, match=r"^Unknown key\(s\) in recipe .*'learning_rat'"):
+        parse_options(_parser(), ["--config", str(recipe)])
+    recipe.write_text("learning_rate: [1]\n")
+    with pytest.raises(ValueError, match=r"^Unknown option\(s\) on the command line: 'lr'"):
+        parse_options(_parser(), ["--config", str(recipe), "--lr", "1"])

@@ -3,6 +3,7 @@ metrics file, checkpoint / resume with method state."""
 
 import json
 import os
+import re
 
 import pytest
 
@@ -160,13 +161,16 @@ def test_nonexistent_recipe_is_a_clear_error(no_model_loading, capsys):
 
 
 @pytest.mark.parametrize("value, expected", [("true", True), ("false", None), ("checkpoint", "path")])
-def test_resume_from_checkpoint_in_recipe(value, expected, tmp_path):
+def test_resume_from_checkpoint_in_recipe(value, expected, tmp_path, write_checkpoint):
     out = tmp_path / "run"
-    (out / "checkpoint-7").mkdir(parents=True)
+    write_checkpoint(out, 7)
     recipe = tmp_path / "resume.yaml"
     setting = str(out / "checkpoint-7") if value == "checkpoint" else value
     recipe.write_text(open(RECIPE).read() + f"\nresume_from_checkpoint: {setting}\n")
-    _, training_args, _ = parse_args(["--config", str(recipe), "--use_cpu", "true", "--output_dir", str(out)])
+    # Not resuming into an output_dir that holds a checkpoint takes overwrite_output_dir (see the tests below).
+    overwrite = ["--overwrite_output_dir", "true"] if expected is None else []
+    argv = ["--config", str(recipe), "--use_cpu", "true", "--output_dir", str(out), *overwrite]
+    _, training_args, _ = parse_args(argv)
     assert training_args.resume_from_checkpoint == (setting if expected == "path" else expected)
 
 
@@ -230,17 +234,26 @@ def test_prompt_longer_than_context_fails_before_model_loading(
         (["--resume_from_checkpoint", "true"], ValueError, "has no checkpoint-<step> folder"),
         (["--resume_from_checkpoint", "/no/such/checkpoint-5"], FileNotFoundError, "is not a directory"),
         (["--dataset_name", "my/hub-set"], ValueError, "set `problem_column` and `answer_column`"),
+        # Values TRL accepts that would fail only after the model loaded (first generation or optimizer step).
+        (["--learning_rate", "-1"], ValueError, "learning_rate=-1.0: the learning rate must be >= 0 (e.g. 1e-6)"),
+        (["--max_completion_length", "0"], ValueError, "max_completion_length=0: completions need at least 1 token"),
+        (["--temperature", "0"], ValueError, "temperature=0.0: GRPO samples completions and scores"),
+        # A model path that does not exist (transformers would raise HFValidationError: "Repo id must be ...").
+        (["--model_name_or_path", "./no/model"], FileNotFoundError, "Model path './no/model' does not exist"),
+        (["--model_name_or_path", "no such/model"], ValueError, "'no such/model' is neither a local directory nor"),
     ],
 )
 def test_bad_options_fail_before_model_loading(
-    extra, error, message, tiny_model_path, problems_file, tmp_path, no_model_loading, capsys
+    extra, error, message, tiny_model_path, problems_file, tmp_path, no_model_loading, capsys, snapshot
 ):
     argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "out")), *extra]
-    with pytest.raises(error, match=message):
+    with pytest.raises(error, match=re.escape(message)):
         parse_args(argv)
+    before = snapshot(tmp_path)
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "opefo-train: error: " in err and message in err
+    assert err.startswith("opefo-train: error: ") and message in err and "Traceback" not in err
+    assert snapshot(tmp_path) == before
 
 
 def test_missing_model_is_a_clear_error(problems_file, tmp_path):
@@ -361,3 +374,246 @@ def test_resume_restores_optimizer_and_method_state(tiny_model_path, problems_fi
         == 0
     )
     assert [m["step"] for m in _metrics(first) if "par/coef" in m] == [1, 2, 3, 4]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# No run lost, no run mixed, every bad input refused before the weights load
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def earlier_run(tmp_path, write_checkpoint):
+    """An output_dir as a finished run leaves it (checkpoints, metrics, final weights), with an eval folder and a
+    note of the user's that are not the run's."""
+    from safetensors.torch import save_file
+
+    out = tmp_path / "out"
+    for step in (2, 3):
+        write_checkpoint(out, step)
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.5}) + "\n" for s in (1, 2, 3)))
+    save_file({"a": __import__("torch").zeros(4)}, str(out / "model.safetensors"))
+    (out / "eval").mkdir()
+    (out / "eval" / "samples.jsonl").write_text('{"kept": true}\n')
+    (out / "notes.txt").write_text("mine")
+    return out
+
+
+def test_an_earlier_run_is_refused_unless_resumed_or_overwritten(
+    earlier_run, tiny_model_path, problems_file, tmp_path, no_model_loading, capsys, snapshot
+):
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(earlier_run))]
+    before = snapshot(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"opefo-train: error: output_dir '{earlier_run}' holds an earlier run (checkpoint-2, checkpoint-3, "
+        "metrics.jsonl, model.safetensors); training into it would mix the two runs. Resume it with "
+        "--resume_from_checkpoint true, start afresh in it with --overwrite_output_dir true"
+    ) in err
+    # Resuming another run's checkpoint into it would mix them too.
+    other = tmp_path / "other"
+    assert main(argv + ["--resume_from_checkpoint", str(other / "checkpoint-1")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    __import__("shutil").copytree(earlier_run / "checkpoint-2", other / "checkpoint-1")
+    assert main(argv + ["--resume_from_checkpoint", str(other / "checkpoint-1")]) == 2
+    assert "holds an earlier run" in capsys.readouterr().err
+    __import__("shutil").rmtree(other)
+    assert main(argv + ["--overwrite_output_dir", "true", "--resume_from_checkpoint", "true"]) == 2
+    assert f"overwrite_output_dir would delete the checkpoint {earlier_run / 'checkpoint-3'}" in capsys.readouterr().err
+    assert snapshot(tmp_path) == before
+    # Resuming it, or overwriting it, passes the checks (and reaches model loading, which the fixture refuses).
+    for accepted in (["--resume_from_checkpoint", "true"], ["--overwrite_output_dir", "true"]):
+        with pytest.raises(no_model_loading):
+            main(argv + accepted)
+    assert snapshot(tmp_path) == before  # files are removed only once the model has loaded
+
+
+def test_overwrite_removes_the_earlier_run_and_nothing_else(
+    earlier_run, tiny_model_path, problems_file, reward_module, snapshot
+):
+    kept = {k: v for k, v in snapshot(earlier_run).items() if k.startswith("eval") or k == "notes.txt"}
+    argv = [
+        "--config",
+        RECIPE,
+        *_cpu_overrides(tiny_model_path, problems_file, str(earlier_run), save_steps=1),
+        "--reward_funcs",
+        "opefo_cli_test_rewards.digit_overlap_reward",
+        "--overwrite_output_dir",
+        "true",
+    ]
+    assert main(argv) == 0
+    after = snapshot(earlier_run)
+    assert sorted(name for name in os.listdir(earlier_run) if name.startswith("checkpoint-")) == ["checkpoint-1"]
+    assert [m["step"] for m in _metrics(str(earlier_run))] == [1, 1]  # the new run's step 1 and its summary row
+    assert {k: after[k] for k in kept} == kept  # the eval folder and the user's note are untouched
+
+
+@pytest.mark.parametrize(
+    "name, damage, reason",
+    [
+        ("model.safetensors", "truncate", "is cut short: it has"),
+        ("model.safetensors", "empty", "is empty"),
+        ("optimizer.pt", "truncate", "is not a whole torch.save archive"),
+        ("trainer_state.json", "truncate", "is not valid JSON"),
+        ("opefo_method_state.json", "empty", "is empty"),
+    ],
+)
+def test_a_broken_checkpoint_is_named_before_loading_with_the_one_to_try(
+    earlier_run, name, damage, reason, tiny_model_path, problems_file, tmp_path, no_model_loading, capsys, snapshot
+):
+    path = earlier_run / "checkpoint-3" / name
+    with open(path, "r+b") as f:
+        f.truncate(0 if damage == "empty" else os.path.getsize(path) // 2)
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(earlier_run))]
+    before = snapshot(tmp_path)
+    assert main(argv + ["--resume_from_checkpoint", "true"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"opefo-train: error: Cannot resume from {earlier_run / 'checkpoint-3'}: {path} {reason}")
+    assert f"Resume from the previous checkpoint with --resume_from_checkpoint {earlier_run / 'checkpoint-2'}." in err
+    assert "Traceback" not in err and snapshot(tmp_path) == before
+    with pytest.raises(no_model_loading):  # the named fix passes the checks
+        main(argv + ["--resume_from_checkpoint", str(earlier_run / "checkpoint-2")])
+
+
+def test_a_checkpoint_of_another_method_is_refused_before_loading(
+    tmp_path, write_checkpoint, tiny_model_path, problems_file, no_model_loading, capsys, snapshot
+):
+    checkpoint = write_checkpoint(tmp_path / "out", 4, method="par")
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "out"))]
+    before = snapshot(tmp_path)
+    assert main(argv + ["--resume_from_checkpoint", "true"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"Checkpoint {checkpoint} was trained with method='par', but this run uses method='opefo'. Resume with "
+        "--method par"
+    ) in err
+    assert snapshot(tmp_path) == before
+
+
+def test_an_output_dir_that_is_a_file_and_an_empty_data_file(
+    tiny_model_path, problems_file, tmp_path, no_model_loading, capsys, snapshot
+):
+    (tmp_path / "out").write_text("not a folder")
+    (tmp_path / "empty.jsonl").write_text("")
+    before = snapshot(tmp_path)
+    assert main(["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "out"))]) == 2
+    assert f"output_dir '{tmp_path / 'out'}' is a file; give a directory" in capsys.readouterr().err
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, str(tmp_path / "empty.jsonl"), str(tmp_path / "o"))]
+    assert main(argv) == 2
+    assert f"Data file '{tmp_path / 'empty.jsonl'}' is empty" in capsys.readouterr().err
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("max_steps: 2.5", "`max_steps: 2.5` is a float, but max_steps takes an integer."),
+        (
+            "num_generations: [2]",
+            "`num_generations: [2]` is a list, but num_generations takes an integer or null (e.g. ",
+        ),
+    ],
+)
+def test_recipe_values_of_the_wrong_type_are_refused(line, message, tiny_model_path, problems_file, tmp_path, capsys):
+    recipe = tmp_path / "typed.yaml"
+    recipe.write_text(open(RECIPE).read() + f"\n{line}\n")
+    overrides = [a for a in _cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "out")) if a]
+    key = line.split(":")[0]
+    i = overrides.index(f"--{key}")
+    argv = ["--config", str(recipe), *overrides[:i], *overrides[i + 2 :]]  # the recipe's value, not the flag's
+    assert main(argv) == 2
+    assert f"opefo-train: error: Recipe '{recipe}': {message}" in capsys.readouterr().err
+
+
+def test_an_unknown_key_is_reported_before_a_setting_this_machine_lacks(tmp_path, capsys):
+    """The GPU recipe (bf16) parsed on a CPU machine: the typo is what needs fixing first."""
+    recipe = tmp_path / "typo.yaml"
+    recipe.write_text(open(RECIPE).read() + "\nnum_generation: 4\n")
+    assert main(["--config", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert "Unknown key(s) in recipe" in err and "'num_generation' (did you mean 'num_generations'" in err
+
+
+STRING_REWARD_MODULE = """
+def string_reward(completions, **kwargs):
+    return ["0.5" for _ in completions]
+"""
+
+
+def test_a_reward_returning_strings_stops_at_its_first_call_without_a_traceback(
+    tiny_model_path, problems_file, tmp_path, monkeypatch, capsys
+):
+    (tmp_path / "opefo_cli_string_rewards.py").write_text(STRING_REWARD_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "out"
+    argv = [
+        "--config",
+        RECIPE,
+        *_cpu_overrides(tiny_model_path, problems_file, str(out), save_steps=1),
+        "--reward_funcs",
+        "opefo_cli_string_rewards.string_reward",
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert (
+        "opefo-train: error: Reward function 'string_reward' returned '0.5' (a str) for completion 0 of 8 (8 such "
+        "value(s) in this batch); rewards must be numbers"
+    ) in err
+    assert "Traceback" not in err
+    assert not os.path.exists(out) or os.listdir(out) == []  # no step, no checkpoint, no metrics line
+
+
+def _prompt_order(log):
+    steps = {}
+    with open(log) as f:
+        for line in f:
+            record = json.loads(line)
+            steps.setdefault(record["step"], []).append(record["solutions"])
+    return steps
+
+
+ORDER_MODULE = '''
+import json, os
+
+
+def order_reward(completions, solution, trainer_state, **kwargs):
+    """Records which prompts each step scores (in order), and a reward that varies within a group."""
+    with open(os.environ["OPEFO_ORDER_LOG"], "a") as f:
+        f.write(json.dumps({"step": trainer_state.global_step, "solutions": solution}) + "\\n")
+    return [float(len(c[-1]["content"]) % 3) for c in completions]
+'''
+
+
+def test_resume_draws_the_prompts_of_an_uninterrupted_run_in_every_epoch(
+    tiny_model_path, problems_file, tmp_path, monkeypatch
+):
+    """8 problems, 4 per step: epochs of 2 steps. Resumed at an epoch boundary (checkpoint-2) and within the second
+    epoch (checkpoint-3), every later step scores the prompts, in the order, and with the metrics, of the
+    uninterrupted run. (With TRL's RepeatSampler alone, measured with this seed: resumed at checkpoint-2, epoch 2
+    replays epoch 1's order; resumed at checkpoint-3, epoch 2 scores 2 of the 8 prompts twice and 2 never.)"""
+    (tmp_path / "opefo_cli_order_rewards.py").write_text(ORDER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    settings = dict(max_steps=-1, num_train_epochs=2, save_steps=1, save_total_limit=10, max_train_samples=8)
+    reward = ["--reward_funcs", "opefo_cli_order_rewards.order_reward"]
+
+    def run(name, *extra):
+        monkeypatch.setenv("OPEFO_ORDER_LOG", str(tmp_path / f"{name}.log"))
+        out = str(tmp_path / name)
+        assert (
+            main(
+                ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, out, **settings), *reward, *extra]
+            )
+            == 0
+        )
+        return _prompt_order(tmp_path / f"{name}.log"), {m["step"]: m for m in _metrics(out) if "entropy" in m}
+
+    full_order, full_metrics = run("full")
+    assert sorted(full_order) == [0, 1, 2, 3] and full_order[0] + full_order[1] != full_order[2] + full_order[3]
+    for checkpoint in (2, 3):
+        order, metrics = run(
+            f"from{checkpoint}", "--resume_from_checkpoint", str(tmp_path / "full" / f"checkpoint-{checkpoint}")
+        )
+        assert order == {step: full_order[step] for step in range(checkpoint, 4)}
+        for step, logged in metrics.items():
+            for key in ("entropy", "reward", "loss"):
+                assert logged[key] == pytest.approx(full_metrics[step][key], rel=1e-6, abs=1e-9), (checkpoint, step)

@@ -1,9 +1,12 @@
 """opefo_trl.eval.evaluate end to end: outputs, metrics, resuming, per-sample seeds (tiny model, CPU, fp32)."""
 
 import json
+import os
+import shutil
 
 import numpy as np
 import pytest
+import torch
 
 from opefo_trl.eval import GeneratedSample, TransformersBackend, evaluate, resolve_model_source, sample_seed
 from opefo_trl.pass_at_k import pass_at_k
@@ -198,3 +201,75 @@ def test_custom_columns_of_a_local_file(tiny_model_path, tmp_path, eval_config, 
     results = evaluate(config)
     (row,) = results["benchmarks"]["qa"]["problems"]
     assert (row["question"], row["gold"], row["n"]) == ("1+1?", "2", 1)
+
+
+def _training_step(model_dir, names=None, step=1e-4):
+    """Change the weights in place as an optimizer step does (every element of the chosen tensors moves by +-step)."""
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(model_dir, "model.safetensors")
+    tensors = load_file(path)
+    for name in names or tensors:
+        signs = torch.randint(0, 2, tensors[name].shape, generator=torch.Generator().manual_seed(0)) * 2 - 1
+        tensors[name] = tensors[name] + step * signs
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_samples_of_other_weights_are_refused_and_the_same_weights_reuse_them(
+    tiny_model_path, bench_file, tmp_path, eval_config, snapshot
+):
+    """Training more into the model's directory changes its weights: the stored samples are refused with the fix.
+    The same weights written again (a new mtime) keep them."""
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model)
+    out = tmp_path / "eval"
+    golds = {i: str(2 * i + 1) for i in range(NUM_PROBLEMS)}
+    canned = lambda source, cfg, tok: CannedBackend(golds)  # noqa: E731
+    first = evaluate(eval_config(str(model), bench_file, out), backend_factory=canned)
+
+    def refuse_loading(*args):
+        raise AssertionError("the stored samples should have been reused")
+
+    path = str(model / "model.safetensors")
+    save_file(load_file(path), path, metadata={"format": "pt"})  # the same weights, rewritten
+    assert evaluate(eval_config(str(model), bench_file, out), backend_factory=refuse_loading) == first
+
+    before = snapshot(out)
+    smallest = min(load_file(path).items(), key=lambda item: item[1].numel())[0]
+    for trained in ([smallest], None):  # one tensor trained (e.g. a norm), or all of them
+        _training_step(model, trained)
+        with pytest.raises(ValueError) as error:
+            evaluate(eval_config(str(model), bench_file, out), backend_factory=refuse_loading)
+        assert str(error.value) == (
+            f"{out} holds 12 samples drawn from other weights: model/model.safetensors changed since (e.g. training "
+            f"wrote into {model}). Use another output_dir, or overwrite=True (--overwrite true) to discard them and "
+            "sample the current weights."
+        )
+        assert snapshot(out) == before
+    # The named fix: discard and resample.
+    assert evaluate(eval_config(str(model), bench_file, out, overwrite=True), backend_factory=canned)
+
+
+def test_samples_of_another_adapter_are_refused(tiny_model_path, bench_file, tmp_path, eval_config, snapshot):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    def save_adapter(seed):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+        lora = LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)
+        get_peft_model(model, lora).save_pretrained(tmp_path / "adapter")
+
+    save_adapter(0)
+    out = tmp_path / "eval"
+    golds = {i: str(2 * i + 1) for i in range(NUM_PROBLEMS)}
+    evaluate(
+        eval_config(str(tmp_path / "adapter"), bench_file, out), backend_factory=lambda s, c, t: CannedBackend(golds)
+    )
+    before = snapshot(out)
+    save_adapter(1)  # trained further: same files, other values
+    with pytest.raises(ValueError, match="drawn from other weights: adapter/adapter_model.safetensors changed since"):
+        evaluate(eval_config(str(tmp_path / "adapter"), bench_file, out))
+    assert snapshot(out) == before

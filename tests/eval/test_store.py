@@ -70,6 +70,21 @@ def test_store_refuses_a_corrupt_line_in_the_middle(tmp_path):
         SampleStore(str(tmp_path))
 
 
+@pytest.mark.parametrize("line", ['{"benchmark": "aime24", "problem_id": 0}', "[1, 2]", '"a sample"'])
+def test_store_refuses_a_valid_json_line_that_is_not_a_sample(tmp_path, snapshot, line):
+    (tmp_path / "samples.jsonl").write_text(json.dumps(_record(0, 0)) + "\n" + line + "\n")
+    before = snapshot(tmp_path)
+    with pytest.raises(ValueError) as error:
+        SampleStore(str(tmp_path))
+    message = str(error.value)
+    assert message.startswith(f"{tmp_path / 'samples.jsonl'}, line 2, is not a stored sample (no ")
+    assert "sample_index, fingerprint, completion" in message and line in message
+    assert message.endswith(
+        "Fix or remove that line, or discard every stored sample with overwrite=True (--overwrite true)."
+    )
+    assert snapshot(tmp_path) == before
+
+
 def test_store_refuses_other_settings_or_changed_problems(tmp_path):
     store = SampleStore(str(tmp_path))
     store.check_settings({"temperature": 1.0, "seed": 0})
