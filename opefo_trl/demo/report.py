@@ -240,7 +240,7 @@ def readings(summaries: Mapping[str, Mapping[str, MethodSummary]], pass_at_k: Se
 def _cell(summary: MethodSummary, figure: str, fmt: str) -> str:
     """All runs' mean ± std, and the non-failed runs' beside it when some run failed."""
     text = summary.all_runs[figure].format(fmt) if figure in summary.all_runs else "-"
-    if summary.failures and figure in summary.non_failed:
+    if summary.failures and text != "-" and figure in summary.non_failed:
         text += f" (non-failed: {summary.non_failed[figure].format(fmt)})"
     return text
 

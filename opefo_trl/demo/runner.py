@@ -124,24 +124,21 @@ def _run_setting(
     try:
         model_path = warm_start(output_dir, settings, name, log=log)
         warm = _evaluate_warm_start(model_path, settings, log)
+        jobs = [
+            (methods[method], seed, name, model_path, run_dir(output_dir, name, method, seed), settings)
+            for seed in settings.seeds
+            for method in settings.methods
+        ]
         results: list[RunResult] = []
-        total = len(settings.methods) * len(settings.seeds)
-        for seed in settings.seeds:
-            for method in settings.methods:
-                log(
-                    f"[{len(results) + 1}/{total}] {method} ({methods[method].description}), seed {seed}, "
-                    f"{settings.steps} steps, numerics {name}"
-                )
-                path = run_dir(output_dir, name, method, seed)
-                result = train_one(methods[method], seed, name, model_path, path, settings, log=log)
-                results.append(result)
-                extra = f"; held out: {_held_out_line(result.held_out)}" if result.held_out else ""
-                log(
-                    f"[{len(results)}/{total}] {method} seed {seed} done in {result.seconds:.0f} s: entropy "
-                    f"{result.entropy_start:.3f} -> {result.entropy_final:.3f} (min {result.entropy_min:.3f}), reward "
-                    f"{result.reward_start:.2f} -> {result.reward_final:.2f}, mean |lambda*| "
-                    f"{result.lambda_abs_mean:.4f}, measured dH/step {result.measured_delta_mean:+.2e}{extra}"
-                )
+        for result in _train_all(jobs, settings.workers, NUMERICS[name].threads, log):
+            results.append(result)
+            extra = f"; held out: {_held_out_line(result.held_out)}" if result.held_out else ""
+            log(
+                f"[{len(results)}/{len(jobs)}] {result.method} seed {result.seed} done in {result.seconds:.0f} s: "
+                f"entropy {result.entropy_start:.3f} -> {result.entropy_final:.3f} (min {result.entropy_min:.3f}), "
+                f"reward {result.reward_start:.2f} -> {result.reward_final:.2f}, mean |lambda*| "
+                f"{result.lambda_abs_mean:.4f}, measured dH/step {result.measured_delta_mean:+.2e}{extra}"
+            )
     finally:
         torch.set_num_threads(previous_threads)
     with open(os.path.join(output_dir, "runs", name, RESULTS_FILE), "w") as f:
@@ -157,6 +154,41 @@ def _run_setting(
             indent=2,
         )
     return results, warm
+
+
+def _train_all(jobs: list[tuple], workers: int, threads: int, log):
+    """``train_one(*job)`` for every job, in order: here, or in ``workers`` processes side by side (spawned, each with
+    ``threads`` torch threads; a run's numbers do not depend on the process it runs in)."""
+    if workers == 1 or len(jobs) == 1:
+        for i, job in enumerate(jobs):
+            method, seed = job[0], job[1]
+            log(f"[{i + 1}/{len(jobs)}] {method.name} ({method.description}), seed {seed}, numerics {job[2]}")
+            yield train_one(*job, log=log)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    log(f"training {len(jobs)} runs in {workers} processes side by side")
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(threads,)) as pool:
+        futures = [pool.submit(train_one, *job, log=print) for job in jobs]
+        for future in futures:
+            yield future.result()
+
+
+def _start_worker(threads: int) -> None:
+    """A worker process of ``_train_all``: the demo's environment, thread count and quiet console."""
+    import warnings
+
+    for name, value in ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    torch.set_num_threads(threads)
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    sys.stdout.reconfigure(line_buffering=True)
 
 
 def _run_setting_in_own_process(

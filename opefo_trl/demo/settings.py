@@ -140,6 +140,11 @@ class DemoSettings:
             "in every setting: two settings that change only the rounding stand in for another machine."
         },
     )
+    workers: int = _setting(
+        2,
+        "Runs of one setting trained side by side, each in a process of its own (2 for 2 cores: the runs are "
+        "single-threaded under threads1 / mkl_compatible; a run's numbers do not depend on it).",
+    )
     hidden_size: int | None = _task_setting("Hidden size of the tiny Qwen2 model.")
     num_layers: int | None = _task_setting("Layers of the tiny Qwen2 model.")
     warm_start_steps: int | None = _task_setting("Supervised warm-start steps (AdamW, linear decay).")
@@ -197,7 +202,7 @@ class DemoSettings:
                 raise ValueError(f"--{name} has duplicates: {values}.")
         positive = (
             "steps", "warm_start_batch_size", "prompts_per_step", "max_completion_length", "hidden_size",
-            "num_layers",
+            "num_layers", "workers",
         )  # fmt: skip
         for name in positive:
             if getattr(self, name) < 1:

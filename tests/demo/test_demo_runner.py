@@ -115,3 +115,17 @@ def test_settings_flags_rebuild_the_settings():
     settings = DemoSettings(quick=True, methods=["grpo", "opefo"], numerics=["mkl_compatible"], entropy_coef=3e-4)
     (rebuilt,) = parse_options(build_parser([DemoSettings], prog="demo"), settings_flags(settings))
     assert rebuilt == settings
+
+
+def test_runs_side_by_side_give_the_numbers_of_runs_one_after_another(tmp_path, tiny_settings):
+    from opefo_trl.demo import run_demo
+
+    fingerprints = {}
+    for workers in (1, 2):
+        out = tmp_path / f"workers{workers}"
+        settings = tiny_settings(methods=["grpo", "opefo"], seeds=[0], pass_at_k_samples=0, workers=workers)
+        run_demo(str(out), settings, log=lambda _: None)
+        runs = json.loads((out / "summary.json").read_text())["runs"]
+        fingerprints[workers] = [(r["method"], r["log_fingerprint"]) for r in runs]
+    assert [m for m, _ in fingerprints[2]] == ["grpo", "opefo"]
+    assert fingerprints[1] == fingerprints[2]

@@ -50,6 +50,7 @@ def test_methods_of_make_demo_and_behind_the_flag():
         (dict(pass_at_k=[1, 128]), "pass@128 needs at least 128 samples"),
         (dict(pass_at_k=[0, 4]), "whole numbers >= 1"),
         (dict(pass_at_k_samples=-1), "pass_at_k_samples must be >= 0"),
+        (dict(workers=0), "workers must be >= 1"),
     ],
 )
 def test_settings_are_validated(overrides, message):
