@@ -14,7 +14,7 @@ start-up, such as ``MKL_CBWR``, runs in a process of its own):
 3. samples the warm start and each trained policy 64 times per held-out target and reports unbiased pass@k;
 
 then writes ``OUTPUT_DIR/curves.png`` (entropy, reward, lambda*, flows, measured vs predicted entropy change,
-pass@k against k; mean +- std over seeds), ``summary.md`` (tables per thread setting, failed runs, the
+pass@k against k; mean +- std over seeds), ``summary.md`` (tables per numerics setting, failed runs, the
 pre-registered readings and whether each holds in every setting, and whether two settings gave identical runs:
 ``opefo_trl.demo.report``) and ``summary.json``.
 

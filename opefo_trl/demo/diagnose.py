@@ -193,7 +193,7 @@ def compare_histories(history: list[dict], reference: list[dict]) -> float:
 
 
 def check_diagnosable(settings: DemoSettings) -> DemoMethod:
-    """The one method to diagnose; ValueError unless there is one, with a tabular estimate, and one thread setting."""
+    """The one method to diagnose; ValueError unless there is one, with a tabular estimate, and one numerics setting."""
     if len(settings.methods) != 1 or len(settings.numerics) != 1:
         raise ValueError("give one method (--methods opefo) and one numerics setting (--numerics threads1).")
     numerics = NUMERICS[settings.numerics[0]]
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(
         [DemoSettings],
         prog="python -m opefo_trl.demo.diagnose",
-        description="Re-run demo runs (one method with a tabular estimate, one thread setting, the given seeds) with "
+        description="Re-run demo runs (one method with a tabular estimate, one numerics setting, the given seeds) with "
         "the exact parameter-space entropy flow evaluated on every rollout batch as a reference.",
     )
     try:

@@ -1,4 +1,4 @@
-"""The whole demo: per thread setting a warm start, every method x seed, the held-out evaluation; then the figures,
+"""The whole demo: per numerics setting a warm start, every method x seed, the held-out evaluation; then the figures,
 ``summary.md`` and ``summary.json``. ``main`` is ``python -m opefo_trl.demo``."""
 
 from __future__ import annotations
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m opefo_trl.demo",
         description="Train strict on-policy GRPO, OPEFO and baselines on a synthetic task on CPU; plot and tabulate "
         "token entropy, reward, the entropy flow, the measured entropy change of every update and pass@k on held-out "
-        "targets, with failed runs counted and the readings checked in every torch thread setting.",
+        "targets, with failed runs counted and the readings checked in every numerics setting.",
     )
     try:
         (settings,) = parse_options(parser, argv)

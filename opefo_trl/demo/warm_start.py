@@ -1,4 +1,4 @@
-"""The tiny model and its supervised warm start, shared by every run of one thread setting (cached on disk)."""
+"""The tiny model and its supervised warm start, shared by every run of one numerics setting (cached on disk)."""
 
 from __future__ import annotations
 
