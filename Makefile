@@ -17,10 +17,11 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed is a pure-Python install on CPU: build no CUDA ops.
 export DS_BUILD_OPS := 0
 
-.PHONY: help install test lint format demo demo-quick bench bench-eval gpu-wheels clean
+.PHONY: help install test lint format demo demo-full demo-quick bench bench-eval gpu-wheels clean
 
 help:
-	@echo "make demo   - set up .venv, train GRPO / OPEFO / baselines on a synthetic task, write plots + table"
+	@echo "make demo   - set up .venv, train GRPO / OPEFO / baselines on a synthetic task (3 seeds), write plots + table"
+	@echo "make demo-full - the README's comparison: 5 seeds x 2 floating-point settings, failure counts, readings"
 	@echo "make test   - set up .venv and run the offline test suite"
 	@echo "make lint   - ruff lint + format check (make format rewrites)"
 	@echo "make bench  - step-time and peak-memory ratios vs TRL's GRPOTrainer"
@@ -58,6 +59,11 @@ format: install
 
 demo: install
 	$(PY) -m opefo_trl.demo --output_dir $(DEMO_OUT) $(DEMO_ARGS)
+
+# The README's tables: every method x seeds 0-4 under two floating-point settings (the cross-machine proxy: 1 torch
+# thread with the default MKL kernels, and with MKL_CBWR=COMPATIBLE, in a process of its own).
+demo-full: install
+	$(PY) -m opefo_trl.demo --output_dir $(DEMO_OUT)-full --seeds 0 1 2 3 4 --numerics threads1 mkl_compatible $(DEMO_ARGS)
 
 demo-quick: install
 	$(PY) -m opefo_trl.demo --quick true --output_dir $(DEMO_OUT)-quick $(DEMO_ARGS)

@@ -190,7 +190,8 @@ def load_runs(paths: Sequence[str | os.PathLike]) -> list[RunHistory]:
 
 @dataclass
 class PlotResult:
-    """What ``plot_runs`` drew: the PNG path, the metrics plotted and those no run had (left out)."""
+    """What ``plot_runs`` drew: the PNG path, the metrics plotted (``"pass@k"`` for that panel) and those no run had
+    (left out)."""
 
     path: str
     plotted: list[str] = field(default_factory=list)
@@ -232,6 +233,7 @@ def plot_runs(
     groups: Mapping[str, str] | None = None,
     smoothing: float = 0.0,
     title: str | None = None,
+    pass_at_k: Mapping[str, Sequence[Mapping[int, float]]] | None = None,
 ) -> PlotResult:
     """Draw one panel per entry of ``panels`` with a line per run (or per group), save a PNG and return what was drawn.
 
@@ -244,6 +246,9 @@ def plot_runs(
             mean with a +-1 std band, at the steps all of them logged. Runs not in the mapping form their own group.
         smoothing: exponential moving-average weight in [0, 1) applied to each run before grouping (0 = raw values).
         title: figure title.
+        pass_at_k: optional ``{group name: [{k: pass@k} of each run]}``, drawn as one more panel: pass@k against k
+            (log scale), the mean over a group's runs with a +-1 std band, in the group's colour; a name that is not a
+            group of ``runs`` (e.g. the policy before training) is drawn in black, dashed.
     """
     # A bare Figure (no pyplot): works headless and leaves a notebook's or script's own backend alone.
     from matplotlib import rcParams
@@ -269,8 +274,13 @@ def plot_runs(
             "Were the runs logged with logging_steps and an OPEFO/GRPO trainer?"
         )
 
-    ncols = 2 if len(shown) > 1 else 1
-    nrows = math.ceil(len(shown) / ncols)
+    pass_at_k = {name: list(curves) for name, curves in (pass_at_k or {}).items() if curves}
+    for name, curves in pass_at_k.items():
+        if any(set(c) != set(curves[0]) for c in curves) or not all(k >= 1 for k in curves[0]):
+            raise ValueError(f"pass_at_k[{name!r}]: every run needs the same k values, each >= 1; got {curves}.")
+    panels_drawn = len(shown) + bool(pass_at_k)
+    ncols = 2 if panels_drawn > 1 else 1
+    nrows = math.ceil(panels_drawn / ncols)
     fig = Figure(figsize=(6.0 * ncols, 3.6 * nrows))
     axes = fig.subplots(nrows, ncols, squeeze=False)
     colors = rcParams["axes.prop_cycle"].by_key()["color"]
@@ -303,7 +313,29 @@ def plot_runs(
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
-    for ax in list(axes.flat)[len(shown) :]:
+    if pass_at_k:
+        order = list(grouped)
+        ax = list(axes.flat)[len(shown)]
+        for name, curves in pass_at_k.items():
+            ks = sorted(curves[0])
+            values = np.array([[c[k] for k in ks] for c in curves], dtype=np.float64)
+            mean, std = values.mean(axis=0), values.std(axis=0)
+            inside = name in order
+            color = colors[order.index(name) % len(colors)] if inside else "black"
+            label = f"{name} (n={len(curves)})" if len(curves) > 1 else name
+            ax.plot(ks, mean, color=color, linestyle="-" if inside else "--", marker="o", ms=3, lw=1.5, label=label)
+            if len(curves) > 1:
+                ax.fill_between(ks, mean - std, mean + std, color=color, alpha=0.15, lw=0)
+        ax.set_xscale("log", base=2)
+        ticks = sorted({k for curves in pass_at_k.values() for k in curves[0]})
+        ax.set_xticks(ticks, labels=[str(k) for k in ticks])
+        ax.set_title("pass@k on held-out prompts", fontsize=10)
+        ax.set_xlabel("k (samples)")
+        ax.set_ylabel("pass@k")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        plotted.append("pass@k")
+    for ax in list(axes.flat)[panels_drawn:]:
         ax.set_visible(False)
     if title:
         fig.suptitle(title)

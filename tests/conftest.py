@@ -129,3 +129,37 @@ def _write_checkpoint(folder, step: int, method: str = "opefo"):
 def write_checkpoint():
     """``write_checkpoint(folder, step, method="opefo") -> path``: a small whole checkpoint (see _write_checkpoint)."""
     return _write_checkpoint
+
+
+# The demo's smallest budget that still runs every stage of the real code path and learns something: a tiny model
+# warm-started until it writes digits (so rewards, advantages and flows are not all zero), 2 RL steps per run at the
+# full learning rate (`--quick true` halves the warm start and keeps at least 2 RL steps), 4 held-out samples.
+DEMO_TINY = dict(
+    hidden_size=32,
+    num_layers=1,
+    warm_start_steps=120,
+    warm_start_batch_size=16,
+    warmup_steps=0,
+    steps=2,
+    prompts_per_step=2,
+    num_generations=4,
+    pass_at_k_samples=4,
+    pass_at_k=[1, 4],
+)
+
+
+@pytest.fixture
+def tiny_flags() -> list[str]:
+    """DEMO_TINY as `python -m opefo_trl.demo` flags."""
+    flags = []
+    for name, value in DEMO_TINY.items():
+        flags += [f"--{name}", *map(str, value if isinstance(value, list) else [value])]
+    return flags
+
+
+@pytest.fixture
+def tiny_settings():
+    """The demo's ``DemoSettings`` at the DEMO_TINY budget, with overrides."""
+    from opefo_trl.demo import DemoSettings
+
+    return lambda **overrides: DemoSettings(**{**DEMO_TINY, **overrides})

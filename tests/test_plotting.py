@@ -213,6 +213,23 @@ def test_cli_refuses_abbreviated_flags(tmp_path, capsys):
     assert not (tmp_path / "x.png").exists()
 
 
+def test_pass_at_k_panel_is_added_and_checked(tmp_path):
+    runs = load_runs([_write_state(tmp_path / f"grpo-seed{i}", _rows(4, 2.0)) for i in range(2)])
+    groups = {r.label: "grpo" for r in runs}
+    plain = plot_runs(runs, tmp_path / "plain.png", groups=groups)
+    curves = {"warm start": [{1: 0.1, 4: 0.3, 16: 0.6}], "grpo": [{1: 0.2, 4: 0.4, 16: 0.5}, {1: 0.3, 4: 0.5, 16: 0.7}]}
+    with_panel = plot_runs(runs, tmp_path / "pass.png", groups=groups, pass_at_k=curves)
+    assert "pass@k" in with_panel.plotted and "pass@k" not in plain.plotted
+    # four panels fill a 2 x 2 grid: the pass@k panel opens a third row
+    assert _png_size(tmp_path / "pass.png")[1] > _png_size(tmp_path / "plain.png")[1]
+    # an empty mapping draws no panel
+    assert "pass@k" not in plot_runs(runs, tmp_path / "none.png", pass_at_k={"grpo": []}).plotted
+    with pytest.raises(ValueError, match="same k values"):
+        plot_runs(runs, tmp_path / "bad.png", pass_at_k={"grpo": [{1: 0.2, 4: 0.4}, {1: 0.3}]})
+    with pytest.raises(ValueError, match=">= 1"):
+        plot_runs(runs, tmp_path / "bad.png", pass_at_k={"grpo": [{0: 0.2}]})
+
+
 def _write_metrics(folder, rows, name="metrics.jsonl", tail=""):
     """A run folder as opefo-train leaves it with save_strategy: "no": metrics lines, no trainer_state.json."""
     folder.mkdir(parents=True, exist_ok=True)

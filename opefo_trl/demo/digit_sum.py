@@ -6,8 +6,8 @@ digits are ignored, and an answer with more than ``num_digits`` digits scores 0.
 reward cannot tell them apart.
 
 Why GRPO on this task is in the entropy-flow regime of the OPEFO paper (lambda* = net / gross first-order entropy
-flow of a batch of a few hundredths, not ~0.7 as on the two-addend task of ``opefo_trl.synthetic``), while its token
-entropy still falls:
+flow of a batch of a few hundredths, not ~0.7 as on the two-addend task of ``opefo_trl.demo.addition``), while its
+token entropy still falls:
 
 * the reward rests on an aggregate of many low-stakes tokens: each of the 24 digits moves the sum a little, and no
   single token decides the score. A narrower digit distribution misses the target by less, so GRPO keeps sharpening
@@ -24,7 +24,7 @@ Generation should stop after ``num_digits`` tokens (``max_completion_length = nu
 of the arithmetic tokenizer of ``opefo_trl.tiny``), so the model never has to count digits to end its answer.
 
 Example:
-    >>> from opefo_trl.digit_sum import build_digit_sum_dataset, digit_sum_reward
+    >>> from opefo_trl.demo.digit_sum import build_digit_sum_dataset, digit_sum_reward
     >>> ds = build_digit_sum_dataset(targets=[10, 12], num_digits=4)
     >>> ds[0]["prompt"]
     [{'role': 'user', 'content': 'Write 4 digits that add up to 10'}]
@@ -39,7 +39,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .model_io import completion_to_text
+from opefo_trl.model_io import completion_to_text
 
 PROMPT_TEMPLATE = "Write {num_digits} digits that add up to {target}"
 DEFAULT_NUM_DIGITS = 24

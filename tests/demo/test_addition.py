@@ -1,8 +1,8 @@
-"""The synthetic sum task: prompts, parsing and the exact reward the demo trains on."""
+"""The addition task ("Solve t = ? + ?"): prompts, parsing and the exact reward the demo trains on."""
 
 import pytest
 
-from opefo_trl.synthetic import (
+from opefo_trl.demo.addition import (
     build_sum_dataset,
     correct_sum_reward,
     default_targets,

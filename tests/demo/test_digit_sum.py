@@ -5,8 +5,8 @@ import doctest
 
 import pytest
 
-from opefo_trl import digit_sum
-from opefo_trl.digit_sum import (
+from opefo_trl.demo import digit_sum
+from opefo_trl.demo.digit_sum import (
     DEFAULT_TOLERANCE,
     DIGIT_RANKING,
     answer_digits,

@@ -10,7 +10,7 @@ The verifier is plain Python: the completion must be exactly ``"<a> + <b>"`` (su
 with both addends positive integers that sum to the target; anything else scores 0.
 
 Example:
-    >>> from opefo_trl.synthetic import build_sum_dataset, correct_sum_reward
+    >>> from opefo_trl.demo.addition import build_sum_dataset, correct_sum_reward
     >>> ds = build_sum_dataset(targets=[5, 6])
     >>> ds[0]["prompt"]
     [{'role': 'user', 'content': 'Solve 5 = ? + ?'}]

@@ -1,0 +1,78 @@
+"""A policy on the held-out targets: exact answers among n samples per target, unbiased pass@k, distinct right answers.
+
+Example (the counts of two targets, 4 samples each):
+    >>> result = HeldOutResult.from_counts([10, 11], samples=4, correct=[1, 0], distinct=[1, 0], ks=[1, 4])
+    >>> result.pass_at_k, result.accuracy
+    ({'pass@1': 0.125, 'pass@4': 0.5}, 0.125)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from opefo_trl.demo.tasks import DemoTask
+from opefo_trl.model_io import render_prompts
+from opefo_trl.pass_at_k import mean_pass_at_k
+
+
+@dataclass
+class HeldOutResult:
+    """What ``samples_per_target`` samples per held-out target show (pass@k averaged over the targets)."""
+
+    targets: list[int]
+    samples_per_target: int
+    correct: list[int]  # exact answers among the samples, per target
+    distinct_correct: list[int]  # distinct exact answers, per target
+    pass_at_k: dict[str, float]  # {"pass@k": value}
+    accuracy: float  # fraction of exact samples (= pass@1)
+    distinct_correct_per_target: float
+
+    @classmethod
+    def from_counts(cls, targets, samples: int, correct, distinct, ks: Sequence[int]) -> HeldOutResult:
+        n = [samples] * len(targets)
+        return cls(
+            targets=list(targets),
+            samples_per_target=samples,
+            correct=list(correct),
+            distinct_correct=list(distinct),
+            pass_at_k={f"pass@{k}": mean_pass_at_k(n, correct, k) for k in ks},
+            accuracy=sum(correct) / (samples * len(targets)),
+            distinct_correct_per_target=sum(distinct) / len(targets),
+        )
+
+
+def evaluate_held_out(
+    model, tokenizer, task: DemoTask, samples: int, ks: Sequence[int], max_new_tokens: int, seed: int
+) -> HeldOutResult:
+    """Sample ``samples`` completions per held-out target (temperature 1, no top-k/top-p) and score exact answers."""
+    import torch
+
+    targets = task.held_out_targets
+    prompt_ids = render_prompts(tokenizer, [task.prompt(t) for t in targets])
+    batch = tokenizer.pad({"input_ids": prompt_ids}, padding=True, padding_side="left", return_tensors="pt")
+    batch = {k: v.to(model.device) for k, v in batch.items()}
+    torch.manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        output = model.generate(
+            **batch,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_new_tokens,
+            num_return_sequences=samples,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    model.train(was_training)
+    answers = tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    correct, distinct = [], []
+    for i, target in enumerate(targets):  # generate returns each prompt's samples together, in prompt order
+        keys = [task.exact_answer(a, target) for a in answers[i * samples : (i + 1) * samples]]
+        right = [k for k in keys if k is not None]
+        correct.append(len(right))
+        distinct.append(len(set(right)))
+    return HeldOutResult.from_counts(targets, samples, correct, distinct, ks)

@@ -1,0 +1,144 @@
+"""The demo's report: the pre-registered failure rule, all-runs vs non-failed figures, the readings per numerics
+setting, the tables and summary.json."""
+
+import json
+import math
+import statistics
+
+import pytest
+
+from opefo_trl.demo import DemoSettings, HeldOutResult, RunResult, failure_reason
+from opefo_trl.demo.report import (
+    MethodSummary,
+    identical_runs,
+    is_above,
+    readings,
+    summarize,
+    summary_dict,
+    summary_markdown,
+)
+
+
+def _result(method, seed, entropy_final=2.0, reward_final=0.7, numerics="threads1", entropy_start=2.2, held_out=True):
+    return RunResult(
+        method=method,
+        seed=seed,
+        numerics=numerics,
+        run_dir=f"runs/{numerics}/{method}-seed{seed}",
+        flow_estimate="param" if method == "opefo_param_step" else "opefo",
+        steps=8,
+        seconds=10.0,
+        cpu_seconds=8.0,
+        entropy_start=entropy_start,
+        entropy_final=entropy_final,
+        entropy_min=min(entropy_final, entropy_start),
+        reward_start=0.5,
+        reward_final=reward_final,
+        lambda_mean=0.02,
+        lambda_abs_mean=0.04,
+        net_over_gross_mean=0.04,
+        measured_delta_mean=-1e-3,
+        measured_abs_delta_mean=4e-3,
+        held_out=HeldOutResult.from_counts([1, 2], 4, [1, 2], [1, 1], [1, 4]) if held_out else None,
+        log_fingerprint=f"{method}-{seed}-{entropy_final}-{reward_final}",
+    )
+
+
+@pytest.mark.parametrize(
+    "entropy_final, reward_final, failed",
+    [
+        (2.0, 0.7, None),
+        (2.0, 0.1, "final reward 0.100 <= 0.1"),  # the bound itself fails
+        (2.0, 0.10001, None),
+        (3.3, 0.7, None),  # exactly 1.5x the start (2.2) does not
+        (3.31, 0.7, "final entropy 3.310 > 1.5 x start 2.200"),
+        (float("nan"), 0.7, "not finite"),
+        (2.0, float("inf"), "not finite"),
+    ],
+)
+def test_failure_rule(entropy_final, reward_final, failed):
+    reason = failure_reason(_result("opefo", 0, entropy_final, reward_final))
+    assert reason == failed if failed is None else failed in reason
+
+
+def test_non_failed_figures_beside_all_runs():
+    runs = [_result("opefo", 0, 2.0, 0.6), _result("opefo", 1, 5.6, 0.0), _result("opefo", 2, 2.2, 0.8)]
+    s = MethodSummary.of(runs)
+    assert list(s.failures) == [1] and "reward" in s.failures[1]
+    assert s.all_runs["reward_final"].mean == pytest.approx(statistics.fmean([0.6, 0.0, 0.8]))
+    assert s.all_runs["reward_final"].std == pytest.approx(statistics.stdev([0.6, 0.0, 0.8]))
+    assert s.non_failed["reward_final"].mean == pytest.approx(0.7) and s.non_failed["reward_final"].n == 2
+    assert s.values["entropy_final"] == [2.0, 2.2]
+    assert s.all_runs["entropy_ratio"].mean == pytest.approx(statistics.fmean([2.0 / 2.2, 5.6 / 2.2, 1.0]))
+    assert s.all_runs["pass@1"].mean == pytest.approx(3 / 8)  # (1/4 + 2/4) / 2 on every run
+
+
+def test_is_above_uses_two_standard_errors():
+    baseline = [1.0, 1.1, 0.9]  # mean 1.0, variance 0.01
+    # standard error sqrt(0.01/3 + 0.01/3) = 0.0816: a difference of 0.17 counts, 0.15 does not
+    assert is_above([1.17 + d for d in (-0.1, 0.0, 0.1)], baseline) == "above"
+    assert is_above([1.15 + d for d in (-0.1, 0.0, 0.1)], baseline) == "no difference shown"
+    assert is_above([0.83 + d for d in (-0.1, 0.0, 0.1)], baseline) == "below"
+    assert is_above([2.0], baseline) == "too few runs"
+
+
+def _by_text(found, start):
+    return next(r for r in found if r.text.startswith(start))
+
+
+def test_readings_are_decided_per_setting_and_hold_only_in_both():
+    results = []
+    for numerics in ("threads1", "mkl_compatible"):
+        for seed in range(3):
+            results.append(_result("grpo", seed, 0.8 + 0.01 * seed, 0.74 + 0.01 * seed, numerics))
+            # OPEFO holds entropy under threads1; under mkl_compatible seed 1 diverges
+            diverged = numerics == "mkl_compatible" and seed == 1
+            results.append(_result("opefo", seed, 5.6 if diverged else 2.1, 0.0 if diverged else 0.6, numerics))
+    found = readings(summarize(results), [1, 4])
+    regime = _by_text(found, "1. regime")
+    assert regime.verdicts == {"threads1": "yes", "mkl_compatible": "yes"} and regime.holds == "yes"
+    holds = _by_text(found, "2. opefo holds entropy")
+    assert holds.verdicts == {"threads1": "yes", "mkl_compatible": "no"} and holds.holds == "differs between settings"
+    assert _by_text(found, "2. grpo holds entropy").holds == "no"
+    fails = _by_text(found, "3. opefo fails")
+    assert fails.verdicts == {"threads1": "no", "mkl_compatible": "yes"} and fails.cell("mkl_compatible") == "yes (1/3)"
+    reward = _by_text(found, "4. opefo vs GRPO on reward_final")
+    assert reward.holds == "below"  # 0.6 vs ~0.75 over the non-failed runs, in both settings
+    assert _by_text(found, "4. opefo vs GRPO on pass@1").holds == "no difference shown"  # identical pass@k
+
+
+def test_table_and_summary_json(tmp_path):
+    results = [_result("grpo", 0, 0.8), _result("grpo", 1, 1.0), _result("opefo", 0, 5.6, 0.0), _result("opefo", 1)]
+    results += [_result("opefo_param_step", 0), _result("opefo_param_step", 1)]
+    settings = DemoSettings(seeds=[0, 1], methods=["grpo", "opefo", "opefo_param_step"], pass_at_k=[1, 4])
+    warm = {"threads1": HeldOutResult.from_counts([1, 2], 4, [0, 1], [0, 1], [1, 4])}
+    table = summary_markdown(results, settings, warm)
+    grpo_row = next(line for line in table.splitlines() if line.startswith("| grpo ("))
+    opefo_row = next(line for line in table.splitlines() if line.startswith("| opefo ("))
+    assert "| 0 / 2 |" in grpo_row and "0.900 ± 0.141" in grpo_row  # mean and sample std of 0.8 and 1.0
+    assert "(`opefo`)" in grpo_row and "-1.00e-03" in grpo_row and "4.00e-03" in grpo_row  # signed and |ΔH|
+    assert "| 1 / 2 |" in opefo_row and "(non-failed: 2.000)" in opefo_row
+    assert "(`param`)" in next(line for line in table.splitlines() if line.startswith("| opefo_param_step ("))
+    assert "| warm start (before RL) | 0.125 | 0.500 | 0.50 |" in table
+    assert "Failed runs: opefo seed 0 (final reward 0.000 <= 0.1)." in table
+    assert "\\|λ*\\|" in _by_line(table, "| 1. regime")  # escaped inside the table
+    data = json.loads(json.dumps(summary_dict(results, settings, warm)))
+    assert data["summary"]["threads1"]["opefo"]["failures"] == {"0": "final reward 0.000 <= 0.1"}
+    assert data["summary"]["threads1"]["opefo"]["non_failed"]["entropy_final"]["n"] == 1
+    assert [r["failure"] is not None for r in data["runs"]] == [False, False, True, False, False, False]
+    assert data["warm_start"]["threads1"]["pass_at_k"] == {"pass@1": 0.125, "pass@4": 0.5}
+    assert data["criteria"]["failed_reward_at_most"] == 0.1 and data["held_out_targets"][0] == 101
+    assert not any(math.isnan(v) for r in data["runs"] for v in r.values() if isinstance(v, float))
+
+
+def _by_line(table, start):
+    return next(line for line in table.splitlines() if line.startswith(start))
+
+
+def test_settings_with_identical_logs_are_reported_as_one():
+    same = [_result("grpo", s, numerics=n) for n in ("threads1", "threads2") for s in (0, 1)]
+    assert identical_runs(same) == {("threads1", "threads2"): (2, 2)}
+    other = same + [_result("grpo", 0, entropy_final=1.9, numerics="mkl_compatible")]
+    assert identical_runs(other)[("threads1", "mkl_compatible")] == (0, 1)
+    table = summary_markdown(same, DemoSettings(seeds=[0, 1], methods=["grpo"], pass_at_k=[1, 4]), {})
+    assert "Numerics threads1 and threads2: 2 of 2 runs gave identical logs. They are one setting" in table

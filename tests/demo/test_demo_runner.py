@@ -1,0 +1,131 @@
+"""`python -m opefo_trl.demo` end to end on a tiny budget (real OPEFOTrainer runs under two numerics settings, one of
+them in a process of its own), and its argument checks."""
+
+import json
+import math
+
+import pytest
+
+from opefo_trl.demo import REQUIRED_METRICS, TASKS, DemoSettings, main
+from opefo_trl.demo.runner import settings_flags
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_quick_demo_end_to_end_in_two_numerics_settings(tmp_path, capsys, tiny_flags, monkeypatch):
+    monkeypatch.delenv("MKL_CBWR", raising=False)
+    out = tmp_path / "demo"
+    numerics = ["threads1", "mkl_compatible"]
+    assert main(["--quick", "true", "--output_dir", str(out), "--numerics", *numerics, *tiny_flags]) == 0
+    printed = capsys.readouterr().out
+    methods = ["grpo", "opefo", "opefo_param_step", "entropy_reg"]
+    assert DemoSettings().methods == methods
+    for name in methods:
+        assert f"{name} seed 0 done" in printed  # per-run progress line
+    assert str(out / "curves.png") in printed and str(out / "summary.md") in printed
+    assert "numerics mkl_compatible: in a process of its own, started with MKL_CBWR=COMPATIBLE" in printed
+    for figure in ("curves.png", "curves-threads1.png", "curves-mkl_compatible.png"):
+        assert (out / figure).read_bytes()[:8] == PNG_MAGIC
+    for name in numerics:
+        assert (out / "models" / f"warm_start-digit_sum-{name}").is_dir()
+    # each setting ran with its own environment (recorded by the process that ran it)
+    own = json.loads((out / "runs" / "mkl_compatible" / "results.json").read_text())
+    assert own["environment"] == {"MKL_CBWR": "COMPATIBLE"} and len(own["runs"]) == 4
+    assert json.loads((out / "runs" / "threads1" / "results.json").read_text())["environment"] == {"MKL_CBWR": None}
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert [(r["method"], r["seed"], r["numerics"]) for r in summary["runs"]] == [
+        (name, 0, setting) for setting in numerics for name in methods
+    ]
+    assert summary["settings"]["numerics"] == numerics
+    (pair,) = summary["identical_runs"]
+    assert pair["settings"] == numerics and pair["runs"] == 4 and 0 <= pair["identical"] <= 4
+    assert summary["settings"]["task"] == "digit_sum" and summary["settings"]["seeds"] == [0]
+    assert summary["settings"]["quick"] and summary["settings"]["warm_start_steps"] == 120  # explicit values kept
+    assert summary["settings"]["entropy_coef"] == 1e-3
+    assert summary["held_out_targets"] == TASKS["digit_sum"].held_out_targets
+    for setting in numerics:
+        warm = summary["warm_start"][setting]
+        assert warm["targets"] == TASKS["digit_sum"].held_out_targets and warm["samples_per_target"] == 4
+        assert set(warm["pass_at_k"]) == {"pass@1", "pass@4"}
+        assert set(summary["summary"][setting]) == set(methods)
+    grpo_dir = out / "runs" / "threads1" / "grpo-seed0"
+    grpo_first = json.loads((grpo_dir / "trainer_state.json").read_text())["log_history"][0]
+    for run in summary["runs"]:
+        name, setting = run["method"], run["numerics"]
+        state = json.loads((out / "runs" / setting / f"{name}-seed0" / "trainer_state.json").read_text())
+        rows = [row for row in state["log_history"] if "entropy" in row]
+        assert len(rows) == 2, f"{name}: logging_steps=1 should log every one of the 2 steps"
+        for row in rows:
+            for key in REQUIRED_METRICS:
+                assert key in row and math.isfinite(row[key]), f"{name} did not log {key}"
+            assert row["entropy"] > 0 and 0.0 <= row["reward"] <= 1.0
+            assert -1.0 <= row["entropy_flow/lambda"] <= 1.0
+        # the figures of summary.json come from the logged rows
+        lambdas = [row["entropy_flow/lambda"] for row in rows]
+        measured = [row["entropy_flow/measured_delta"] for row in rows]
+        assert run["lambda_abs_mean"] == pytest.approx(sum(abs(x) for x in lambdas) / len(lambdas))
+        assert run["measured_delta_mean"] == pytest.approx(sum(measured) / len(rows))
+        assert run["measured_abs_delta_mean"] == pytest.approx(sum(abs(x) for x in measured) / len(rows))
+        assert 0.0 < run["net_over_gross_mean"] <= 1.0 and run["measured_abs_delta_mean"] > 0.0
+        # which estimate the lambda* is; only the `param` estimate predicts the entropy change
+        param = name == "opefo_param_step"
+        assert run["flow_estimate"] == ("param" if param else "opefo")
+        assert (run["predicted_delta_mean"] is not None) == param
+        # the held-out evaluation: 4 samples for each held-out target, pass@k from the counts
+        held_out = run["held_out"]
+        assert held_out["samples_per_target"] == 4 and len(held_out["correct"]) == 6
+        assert held_out["pass_at_k"]["pass@1"] == pytest.approx(sum(held_out["correct"]) / 24)
+        assert held_out["pass_at_k"]["pass@4"] == pytest.approx(sum(c > 0 for c in held_out["correct"]) / 6)
+        assert run["failure"] is None or "final" in run["failure"]
+        if setting == "threads1":  # identical seeds and start weights: every method sees the same first rollout batch
+            assert rows[0]["reward"] == grpo_first["reward"]
+            assert rows[0]["entropy"] == pytest.approx(grpo_first["entropy"], rel=1e-5)
+    entropy_reg = json.loads((out / "runs" / "threads1" / "entropy_reg-seed0" / "trainer_state.json").read_text())
+    assert [row for row in entropy_reg["log_history"] if "entropy_coef" in row], "entropy_reg uses TRL's bonus"
+
+    table = (out / "summary.md").read_text()
+    assert "## numerics = threads1" in table and "## numerics = mkl_compatible" in table
+    assert "Numerics threads1 and mkl_compatible:" in table
+    for name in (*methods, "warm start (before RL)"):
+        assert f"| {name}" in table
+    assert "(`param`)" in table and "(`opefo`)" in table  # the |lambda*| column names its estimate
+    assert "Failed runs:" in table and "Regime guard" in table
+    readings = {r["reading"]: r for r in summary["readings"]}
+    assert any(text.startswith("1. regime") for text in readings)
+    assert all(set(r["verdicts"]) == set(numerics) for r in readings.values())
+
+
+def test_bad_arguments_fail_before_any_work(tmp_path, capsys):
+    out = tmp_path / "never"
+    assert main(["--output_dir", str(out), "--steps", "0"]) == 2
+    assert "steps must be >= 1" in capsys.readouterr().err
+    assert main(["--output_dir", str(out), "--methods", "sft"]) == 2
+    assert "Unknown method" in capsys.readouterr().err
+    assert main(["--output_dir", str(out), "--pass_at_k", "1", "128"]) == 2
+    assert "pass@128 needs at least 128 samples" in capsys.readouterr().err
+    assert main(["--output_dir", str(out), "--step", "3"]) == 2  # a misspelt flag gets a hint, not a traceback
+    assert "did you mean 'steps'" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_settings_flags_rebuild_the_settings():
+    from opefo_trl.cli.options import build_parser, parse_options
+
+    settings = DemoSettings(quick=True, methods=["grpo", "opefo"], numerics=["mkl_compatible"], entropy_coef=3e-4)
+    (rebuilt,) = parse_options(build_parser([DemoSettings], prog="demo"), settings_flags(settings))
+    assert rebuilt == settings
+
+
+def test_runs_side_by_side_give_the_numbers_of_runs_one_after_another(tmp_path, tiny_settings):
+    from opefo_trl.demo import run_demo
+
+    fingerprints = {}
+    for workers in (1, 2):
+        out = tmp_path / f"workers{workers}"
+        settings = tiny_settings(methods=["grpo", "opefo"], seeds=[0], pass_at_k_samples=0, workers=workers)
+        run_demo(str(out), settings, log=lambda _: None)
+        runs = json.loads((out / "summary.json").read_text())["runs"]
+        fingerprints[workers] = [(r["method"], r["log_fingerprint"]) for r in runs]
+    assert [m for m, _ in fingerprints[2]] == ["grpo", "opefo"]
+    assert fingerprints[1] == fingerprints[2]
