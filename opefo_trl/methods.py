@@ -45,6 +45,8 @@ from .entropy_flow import BALANCES, SIDES, FlowStats, check_choice, flow_stats, 
 from .param_flow import solve_step_balance
 
 ReduceSum = Callable[[torch.Tensor], torch.Tensor]
+#: The start of every regime-guard warning (docs/algorithm.md, "The regime guard").
+REGIME_GUARD = "OPEFO regime guard: "
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -284,14 +286,25 @@ class OPEFO(TokenMethod):
     on_policy_only = True
     #: Optimizer steps over which the regime guard averages |lambda*|.
     REGIME_WINDOW = 20
+    #: The regime guard also warns once when a rollout's mean token entropy exceeds this multiple of the first
+    #: rollout's: on the demo's digit-sum task healthy OPEFO runs peaked at 1.14x their start, and a run on its way to
+    #: a uniform policy (reward 0) crossed 1.2x two steps before it died, with |lambda*| averaging only 0.04.
+    ENTROPY_RISE_WARN = 1.2
 
-    def __init__(self, settings: OPEFOSettings | None = None, **values) -> None:
+    def __init__(self, settings: OPEFOSettings | None = None, *, flow_estimate: str = "opefo", **values) -> None:
         super().__init__(settings, **values)
+        self.flow_estimate = flow_estimate  # for the regime guard's advice
         self._recent_lambdas: deque[float] = deque(maxlen=self.REGIME_WINDOW)
         self._rollout_metrics: dict[str, float] = {}
-        self._warned = False
+        self._first_entropy: float | None = None
+        self._pending_warnings: list[str] = []
+        self._warned: set[str] = set()
         self._warned_one_sided = False
         self._warned_unbalanced = False
+
+    @classmethod
+    def from_config(cls, config) -> OPEFO:
+        return cls(cls.settings_from(config), flow_estimate=config.entropy_flow_estimate)
 
     @property
     def needs_step_model(self) -> bool:
@@ -328,6 +341,9 @@ class OPEFO(TokenMethod):
         weights = token_weights(batch.flow, lam, self.settings.opefo_sides)
         weighted = FlowStats.from_tensor(reduce_sum(flow_stats(batch.flow * weights, batch.factor).to_tensor()))
         self._recent_lambdas.append(abs(float(stats.lambda_star)))
+        in_loss = batch.in_loss.double()
+        entropy = reduce_sum(torch.stack([(batch.entropies.double() * in_loss).sum(), in_loss.sum()]))
+        self._watch_regime(float(entropy[0] / entropy[1].clamp(min=1)))
         self._rollout_metrics = {**metrics, "opefo/lambda_applied": lam, "opefo/weighted_net": float(weighted.net)}
         return weights
 
@@ -354,26 +370,52 @@ class OPEFO(TokenMethod):
         # Logged on every optimizer step, also when one rollout batch serves several (off-policy opt-in).
         self.metrics = dict(self._rollout_metrics)
 
-    def regime_warning(self) -> str | None:
-        if self._warned or len(self._recent_lambdas) < self.REGIME_WINDOW:
-            return None
-        mean = sum(self._recent_lambdas) / len(self._recent_lambdas)
-        if mean <= self.settings.opefo_lambda_warn:
-            return None
-        self._warned = True
+    def _advice(self) -> str:
         if self.settings.opefo_balance == "step":
-            advice = ", and compare it with method='grpo' on the same data before trusting the balance."
-        else:
-            advice = ", and try the exact estimate entropy_flow_estimate='param' with opefo_balance='step'."
+            return "compare it with method='grpo' on the same data before trusting the balance."
+        if self.flow_estimate == "param":
+            return (
+                "the per-batch balance does not offset what Adam's momentum carries: try opefo_balance='step', which "
+                "zeroes the real step's first-order entropy change."
+            )
         return (
-            f"OPEFO: |lambda*| averaged over the last {self.REGIME_WINDOW} optimizer steps is {mean:.3g} "
-            f"(> opefo_lambda_warn={self.settings.opefo_lambda_warn:g}). The entropy flow of these batches is far "
-            f"from balanced: in the OPEFO paper lambda* stays around 2.5e-4..1.75e-3 (net flow ~0.1% of the gross), "
-            f"while balancing a batch here takes token weights of 1 +/- {mean:.2f}, which can fight the learning "
-            "signal instead of gently correcting it. Check what the updates really do with "
-            f"entropy_flow_audit_steps=1 (logs entropy_flow/measured_delta){advice} docs/algorithm.md ('The regime') "
-            "explains when OPEFO applies."
+            f"with entropy_flow_estimate={self.flow_estimate!r} and the per-batch balance this can mislead: the "
+            "estimate gives a sampled token of tiny probability a flow of |A| |log pi + H| (no factor pi), so a few "
+            "rare tokens can make a batch look entropy-decreasing and OPEFO then raises entropy more than the network "
+            "needs, and Adam's momentum, which the per-batch balance does not offset, adds to it. Entropy can then "
+            "climb until the policy is uniform and every reward is 0 (seen on the demo's digit_sum task with "
+            "|lambda*| under 0.1). Watch entropy_flow/measured_delta (entropy_flow_audit_steps=1); if it stays "
+            "positive and entropy climbs above its start, use entropy_flow_estimate='param' with "
+            "opefo_balance='step'."
         )
+
+    def _watch_regime(self, entropy: float) -> None:
+        """Queue each of the guard's two warnings once: |lambda*| large on average, or entropy far above its start."""
+        if self._first_entropy is None:
+            self._first_entropy = entropy
+        window = len(self._recent_lambdas)
+        mean = sum(self._recent_lambdas) / max(window, 1)
+        if "lambda" not in self._warned and window == self.REGIME_WINDOW and mean > self.settings.opefo_lambda_warn:
+            self._warned.add("lambda")
+            self._pending_warnings.append(
+                f"{REGIME_GUARD}|lambda*| averaged over the last {self.REGIME_WINDOW} optimizer steps is {mean:.3g} "
+                f"(> opefo_lambda_warn={self.settings.opefo_lambda_warn:g}); in the OPEFO paper lambda* stays around "
+                f"2.5e-4..1.75e-3, while balancing these batches takes token weights of 1 +/- {mean:.2f}, which can "
+                f"fight the learning signal instead of gently correcting it. {self._advice()} docs/algorithm.md ('The "
+                "regime') explains when OPEFO applies."
+            )
+        rise = entropy / self._first_entropy if self._first_entropy > 0 else 1.0
+        if "entropy" not in self._warned and rise > self.ENTROPY_RISE_WARN:
+            self._warned.add("entropy")
+            self._pending_warnings.append(
+                f"{REGIME_GUARD}the rollout's mean token entropy is {entropy:.3g}, {rise:.2f}x the first rollout's "
+                f"({self._first_entropy:.3g}; warned above {self.ENTROPY_RISE_WARN:g}x, |lambda*| averaged over the "
+                f"last {window} optimizer steps {mean:.3g}): OPEFO is meant to hold entropy, not raise it. "
+                f"{self._advice()}"
+            )
+
+    def regime_warning(self) -> str | None:
+        return self._pending_warnings.pop(0) if self._pending_warnings else None
 
 
 # --------------------------------------------------------------------------------------------------------------------

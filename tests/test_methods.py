@@ -9,6 +9,7 @@ from opefo_trl.entropy_flow import entropy_flow, flow_stats, token_weights
 from opefo_trl.methods import (
     OPEFO,
     PAR,
+    REGIME_GUARD,
     TOKEN_METHODS,
     ClipCov,
     KLCov,
@@ -325,6 +326,26 @@ def test_regime_guard_warns_once_when_lambda_stays_large():
     assert "entropy_flow_audit_steps" in message
     method.rollout_weights(batch)
     assert method.regime_warning() is None  # once
+
+
+def test_regime_guard_warns_once_when_entropy_climbs_far_above_its_start():
+    """The second trigger: the rollout's mean token entropy above 1.2x the first rollout's (the divergence the demo
+    diagnosed happened with |lambda*| ~ 0.04, where the lambda trigger stays quiet). The advice follows the
+    estimate: the tabular one is told why it can mislead, `param` with the batch balance is sent to the step balance."""
+    batch = _batch(seed=9)
+    for estimate, says in (("opefo", "(no factor pi)"), ("param", "opefo_balance='step', which zeroes")):
+        method = OPEFO(flow_estimate=estimate)
+        method.rollout_weights(batch)
+        assert method.regime_warning() is None
+        method.rollout_weights(dataclasses.replace(batch, entropies=batch.entropies * 1.15))  # healthy runs peak here
+        assert method.regime_warning() is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the one-sided warning does not apply; nothing else may warn here)
+            method.rollout_weights(dataclasses.replace(batch, entropies=batch.entropies * 1.3))
+        message = method.regime_warning()
+        assert message.startswith(REGIME_GUARD) and "1.30x the first rollout's" in message and says in message
+        method.rollout_weights(dataclasses.replace(batch, entropies=batch.entropies * 2.0))
+        assert method.regime_warning() is None  # once
 
 
 def test_regime_guard_stays_quiet_in_the_paper_regime():

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from opefo_trl.demo.evaluate import HeldOutResult, evaluate_held_out
 from opefo_trl.demo.settings import DemoMethod, DemoSettings
 from opefo_trl.demo.tasks import TASKS
+from opefo_trl.methods import REGIME_GUARD
 
 #: The metrics every run must log; the demo checks them after each run instead of plotting empty panels.
 REQUIRED_METRICS = (
@@ -215,7 +216,7 @@ def train_one(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
         trainer.train()
-    guard = next((str(w.message) for w in caught if "averaged over the last" in str(w.message)), None)
+    guard = next((str(w.message) for w in caught if str(w.message).startswith(REGIME_GUARD)), None)
     if guard:
         log(f"  {label}: regime guard: {guard}")
     trainer.save_state()
