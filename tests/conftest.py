@@ -13,7 +13,7 @@ import pytest
 @pytest.fixture(scope="session")
 def keep_dtype_rms_norm():
     """``keep_dtype_rms_norm(model) -> model``: a Qwen2 in float64 stays float64 through its RMSNorms."""
-    from opefo_trl.tiny import keep_rms_norm_in_model_dtype
+    from opefo_trl.testing import keep_rms_norm_in_model_dtype
 
     return keep_rms_norm_in_model_dtype
 
@@ -21,7 +21,7 @@ def keep_dtype_rms_norm():
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):
     """Path of a saved random tiny Qwen2 model (hidden 64, 2 layers) with its tokenizer."""
-    from opefo_trl.tiny import build_tiny_model
+    from opefo_trl.testing import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2") / "model")
 
@@ -79,7 +79,7 @@ def bench_file(tmp_path_factory):
 def warm_model_path(tiny_model_path, tmp_path_factory):
     """The tiny model after a few supervised steps on fixed answers: peaked policies, away from the entropy maximum
     (near it, a step's first-order entropy change is swamped by curvature)."""
-    from opefo_trl.tiny import warm_up_tiny_model
+    from opefo_trl.testing import warm_up_tiny_model
 
     return warm_up_tiny_model(tiny_model_path, tmp_path_factory.mktemp("warm") / "model")
 
