@@ -163,3 +163,46 @@ def tiny_settings():
     from opefo_trl.demo import DemoSettings
 
     return lambda **overrides: DemoSettings(**{**DEMO_TINY, **overrides})
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Run folders as a Trainer leaves them (plotting, opefo-plot)
+# ----------------------------------------------------------------------------------------------------------------------
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def write_trainer_state(folder, rows):
+    """A run folder holding a trainer_state.json with ``rows`` as its log_history; returns the file's path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "trainer_state.json"
+    path.write_text(json.dumps({"global_step": len(rows), "log_history": rows}))
+    return path
+
+
+def trainer_state_rows(n, entropy0, flows=True):
+    """``n`` logged steps of entropy, reward and (with ``flows``) the entropy flows, then the Trainer's closing row."""
+    rows = []
+    for step in range(1, n + 1):
+        row = {"step": step, "epoch": step / n, "entropy": entropy0 / step, "reward": 0.1 * step, "loss": 0.0}
+        if flows:
+            row.update(
+                {
+                    "entropy_flow/lambda": 0.01 * (-1) ** step,
+                    "entropy_flow/increase": 1.0 + step,
+                    "entropy_flow/decrease": 2.0 + step,
+                }
+            )
+        rows.append(row)
+    # the Trainer's closing row has a step but no training metrics
+    rows.append({"step": n, "train_runtime": 1.5, "train_loss": 0.0, "total_flos": 0.0})
+    return rows
+
+
+def png_size(path):
+    """(width, height) of a PNG file, refusing anything else."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC, "not a PNG file"
+    width = int.from_bytes(data[16:20], "big")
+    height = int.from_bytes(data[20:24], "big")
+    return width, height
