@@ -23,7 +23,7 @@ help:
 	@echo "make demo   - set up .venv, train GRPO / OPEFO / baselines on a synthetic task (3 seeds), write plots + table"
 	@echo "make demo-full - the README's comparison: 5 seeds x 2 floating-point settings, failure counts, readings"
 	@echo "make test   - set up .venv and run the offline test suite"
-	@echo "make lint   - ruff lint + format check (make format rewrites)"
+	@echo "make lint   - ruff lint + format check (make format rewrites) + mypy over the package"
 	@echo "make bench  - step-time and peak-memory ratios vs TRL's GRPOTrainer"
 	@echo "make bench-eval - batched evaluation vs one-prompt-at-a-time generate"
 	@echo "make gpu-wheels - the wheels benchmarks/gpu_check.sh carries to a GPU machine, into .whl/"
@@ -52,6 +52,7 @@ test: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 format: install
 	$(VENV)/bin/ruff check --fix .

@@ -55,7 +55,7 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opefo_trl.eval import EvaluationConfig, Problem, SampleJob, TransformersBackend, build_prompt_ids, sample_seed
-    from opefo_trl.tiny import build_tiny_model
+    from opefo_trl.testing import build_tiny_model
 
     model_dir = args.model_dir or os.path.join(
         tempfile.gettempdir(), f"opefo-bench-eval-{args.hidden_size}-{args.num_layers}"

@@ -437,7 +437,7 @@ def zero3_plan(check: GpuCheckSettings, runs_dir: str) -> list[tuple[str, str, l
 
 
 def stage_zero3(check: GpuCheckSettings, recorder: StageRecorder) -> None:
-    from opefo_trl.tiny import build_tiny_model
+    from opefo_trl.testing import build_tiny_model
 
     work = os.path.join(check.work_dir, "zero3")
     os.makedirs(work, exist_ok=True)

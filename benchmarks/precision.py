@@ -10,7 +10,7 @@ distributions of a trained model it may. This measures it on the path the traine
 2. one rollout is sampled from it (temperature 1, no top-k / top-p), with fixed advantages: group-normalised rewards
    (TRL's `scale_rewards="group"`) of a synthetic reward, the fraction of even token ids (`even_token_reward`);
 3. float64 reference: the weights cast to float64, eager attention, RMSNorm in float64 too
-   (`opefo_trl.tiny.keep_rms_norm_in_model_dtype`), the log-softmax chunked over tokens so the
+   (`opefo_trl.testing.keep_rms_norm_in_model_dtype`), the log-softmax chunked over tokens so the
    [tokens, vocab] logits never exceed `reference_token_chunk` rows;
 4. each precision mode (`MODES`): the model loaded by TRL's GRPOTrainer with that mode's dtype, bf16 and
    `cast_lm_head_to_fp32` (so TRL's own head casting and fused LM head are used), log pi_t and H_t from TRL's
@@ -218,7 +218,7 @@ def warm_start(settings: PrecisionSettings, path: str) -> dict:
     """Build a Qwen2-shaped model under `path` and train it on chain walks after a prompt; reuse an identical build."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from opefo_trl.tiny import build_tiny_model
+    from opefo_trl.testing import build_tiny_model
 
     keys = (
         "vocab_size", "hidden_size", "num_layers", "num_heads", "num_key_value_heads", "intermediate_size",
@@ -362,7 +362,7 @@ def reference_statistics(settings: PrecisionSettings, path: str, rollout: Rollou
     from transformers import AutoModelForCausalLM
 
     device = _device()
-    from opefo_trl.tiny import keep_rms_norm_in_model_dtype
+    from opefo_trl.testing import keep_rms_norm_in_model_dtype
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager")
     model = keep_rms_norm_in_model_dtype(model).to(device).eval()  # Qwen2's RMSNorm would compute in float32

@@ -3,7 +3,7 @@
     python benchmarks/step_balance.py                                   # lr 1e-5 and 5e-6, 8 steps, float32
     python benchmarks/step_balance.py --dtype float64 --output_json step_balance.json
 
-A tiny Qwen2 model, warm-started by a few supervised steps so that its policy is peaked (``opefo_trl.tiny``), is
+A tiny Qwen2 model, warm-started by a few supervised steps so that its policy is peaked (``opefo_trl.testing``), is
 trained from the same weights and seed with torch AdamW (default betas 0.9 / 0.999), no gradient clipping
 (``max_grad_norm`` 1e9), a constant learning rate and the audit on every step, by
 
@@ -43,7 +43,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback  #
 
 from opefo_trl import OPEFOConfig, OPEFOTrainer  # noqa: E402
 from opefo_trl.cli.options import INPUT_ERRORS, build_parser, parse_options, report_error  # noqa: E402
-from opefo_trl.tiny import build_tiny_model, keep_rms_norm_in_model_dtype, warm_up_tiny_model  # noqa: E402
+from opefo_trl.testing import build_tiny_model, keep_rms_norm_in_model_dtype, warm_up_tiny_model  # noqa: E402
 
 METHODS = {"grpo": dict(method="grpo"), "step_balance": dict(method="opefo", opefo_balance="step")}
 METRICS = {

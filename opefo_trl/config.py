@@ -1,9 +1,11 @@
 """`OPEFOConfig`: TRL's `GRPOConfig` plus the entropy-flow settings and the token methods' settings.
 
 Each option is declared once, with its default and help: the entropy-flow options in `EntropyFlowSettings` below,
-each method's in its settings dataclass in `opefo_trl.methods`. `OPEFOConfig` inherits them all, so `TrlParser`,
-recipes and `--help` see every one; `validate_opefo_settings` checks them (also on a plain `GRPOConfig` that
-`OPEFOTrainer` was given, see `with_opefo_settings`).
+each method's in the `Settings` of its class in `opefo_trl.methods`. `OPEFOConfig` inherits them all (those of
+every built-in method, `opefo_trl.methods.BUILTIN_METHOD_SETTINGS`), so `TrlParser`, recipes and `--help` see every
+one. `validate_opefo_settings` checks them (also on a plain `GRPOConfig` that `OPEFOTrainer` was given, see
+`with_opefo_settings`): what every method shares here, the selected method's own checks by its class
+(`TokenMethod.check_config`).
 """
 
 from __future__ import annotations
@@ -20,11 +22,9 @@ from trl import GRPOConfig  # noqa: E402
 
 from .entropy_flow import FLOW_ESTIMATES, check_choice  # noqa: E402
 from .methods import (  # noqa: E402
+    BUILTIN_METHOD_SETTINGS,
+    DEFAULT_METHOD,
     TOKEN_METHODS,
-    ClipCovSettings,
-    KLCovSettings,
-    OPEFOSettings,
-    PARSettings,
     get_token_method_class,
     setting,
 )
@@ -78,25 +78,18 @@ class EntropyFlowSettings:
     )
 
 
+# The settings of every built-in method are bases, so that registering a built-in method in opefo_trl.methods is
+# all it takes to make its options fields here (mypy cannot follow a computed base list: the fields it does not see
+# are checked by the tests, tests/test_config.py).
 @dataclass
-class OPEFOConfig(GRPOConfig, EntropyFlowSettings, OPEFOSettings, PARSettings, ClipCovSettings, KLCovSettings):
+class OPEFOConfig(GRPOConfig, EntropyFlowSettings, *BUILTIN_METHOD_SETTINGS):  # type: ignore[misc]
     r"""
     Configuration for [`OPEFOTrainer`]: every [`~trl.GRPOConfig`] option, plus the method that weights or penalises
     tokens, its settings, and the entropy-flow settings. The defaults give OPEFO as in the paper (strict on-policy,
     lambda* from the `opefo` entropy-flow estimate over the whole rollout batch, both sets rescaled).
 
-    Baselines of the paper's comparison are configurations, not new trainers:
-
-    | method | settings |
-    |---|---|
-    | GRPO (8 updates per rollout) | `method="grpo"`, `steps_per_generation=8 * gradient_accumulation_steps` |
-    | strict on-policy GRPO | `method="grpo"` |
-    | Entropy-Reg | `method="grpo"`, `entropy_coef=1e-3` (or `use_adaptive_entropy=True`) |
-    | Clip-higher | `method="grpo"`, `epsilon_high=0.28` (active only off-policy) |
-    | Clip-Cov / KL-Cov | `method="clip_cov"` / `method="kl_cov"` |
-    | PAR | `method="par"` (entropy-guided) or `par_coef=<c>` |
-    | OPEFO ablations | `opefo_lambda=0.001`, `opefo_sides="increase_only"` / `"decrease_only"` |
-    | OPEFO, exact flow | `entropy_flow_estimate="param"` (`opefo_balance="step"`: the whole AdamW step) |
+    Baselines of the paper's comparison are configurations, not new trainers: the methods table
+    (`opefo_trl.methods.methods_table()`, in the README) says how to configure each one.
 
     Example:
         >>> from opefo_trl import OPEFOConfig
@@ -106,7 +99,7 @@ class OPEFOConfig(GRPOConfig, EntropyFlowSettings, OPEFOSettings, PARSettings, C
     """
 
     method: str = setting(
-        "opefo",
+        DEFAULT_METHOD,
         "Token-level method: 'opefo' (entropy-flow balancing), 'grpo' (plain GRPO; with TRL options also Entropy-Reg "
         "and Clip-higher), 'par' (positive-advantage reweighting), 'clip_cov', 'kl_cov', or a method registered with "
         "opefo_trl.methods.register_token_method.",
@@ -138,18 +131,6 @@ def _opefo_fields() -> list[dataclasses.Field]:
 
 def _default(f: dataclasses.Field):
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-
-
-def _off_policy_reasons(args) -> list[str]:
-    reasons = []
-    if args.num_iterations > 1:
-        reasons.append(f"num_iterations={args.num_iterations} (several updates per rollout batch)")
-    if args.steps_per_generation != args.gradient_accumulation_steps:
-        reasons.append(
-            f"steps_per_generation={args.steps_per_generation} != gradient_accumulation_steps="
-            f"{args.gradient_accumulation_steps} (a rollout batch is not exactly one optimizer step)"
-        )
-    return reasons
 
 
 def _uses_deepspeed(args) -> bool:
@@ -186,68 +167,30 @@ def validate_opefo_settings(args) -> None:
     """Check the OPEFO options of ``args`` (an OPEFOConfig, or a GRPOConfig given them by `with_opefo_settings`).
 
     Raises ValueError naming the option and a fix that works for the object the user passed; nothing that can be
-    checked without the model waits for training.
+    checked without the model waits for training. The selected method checks its own settings (built here) and what
+    it cannot run with (`check_config`); what every method shares is checked here.
     """
-    if isinstance(args, OPEFOConfig):  # refused while it is built (also by opefo-train): the fix is an argument
-        grpo_fix = "`OPEFOConfig(..., method='grpo')` (opefo-train: --method grpo)"
-        off_policy_fix = "`OPEFOConfig(..., allow_off_policy=True)` (opefo-train: --allow_off_policy true)"
-    else:  # given the OPEFO options by OPEFOTrainer, which keeps the attributes set on the object
-        grpo_fix = f'set `args.method = "grpo"` on this {type(args).__name__} before passing it'
-        off_policy_fix = "set `args.allow_off_policy = True` on it"
     # GRPOConfig only rejects some of these when the first batch reaches them: fail at configuration time.
     for name, valid in TRL_CHOICES.items():
         check_choice(name, getattr(args, name), valid)
     method_class = get_token_method_class(args.method)  # unknown name: error listing the valid ones
     method_class.settings_from(args)  # the selected method's settings validate on construction
     _refuse_settings_of_other_methods(args, method_class)
-    if getattr(args, "opefo_balance", "batch") == "step" and (
-        args.entropy_flow_estimate != "param" or args.entropy_flow_preconditioner != "adam"
-    ):
-        raise ValueError(
-            "opefo_balance='step' offsets what Adam's momentum carries into the step, which only the 'param' estimate "
-            "with the 'adam' preconditioner measures; got entropy_flow_estimate="
-            f"{args.entropy_flow_estimate!r}, entropy_flow_preconditioner={args.entropy_flow_preconditioner!r}. Set "
-            "entropy_flow_estimate='param' and entropy_flow_preconditioner='adam', or opefo_balance='batch'."
-        )
+    method_class.check_config(args)
     check_choice("entropy_flow_estimate", args.entropy_flow_estimate, FLOW_ESTIMATES)
     check_choice("entropy_flow_preconditioner", args.entropy_flow_preconditioner, PRECONDITIONERS)
-    uses_param = args.entropy_flow_estimate == "param" and (
-        method_class.needs_rollout_pass or args.entropy_flow_diagnostics
-    )
-    if uses_param:
-        _check_param_optimizer(args)
-    if getattr(args, "opefo_balance", "batch") == "step" and (args.beta != 0 or args.entropy_coef != 0):
-        raise ValueError(
-            f"opefo_balance='step' zeroes the first-order entropy change of the policy-gradient step, but the loss "
-            f"also has a KL term (beta={args.beta}) or an entropy bonus (entropy_coef={args.entropy_coef}) whose "
-            "gradients move the entropy outside the balance. Set beta=0 and entropy_coef=0 (the paper's setup), or "
-            "use opefo_balance='batch'."
-        )
     if args.entropy_flow_audit_steps < 0:
         raise ValueError(f"entropy_flow_audit_steps must be >= 0 (0: off); got {args.entropy_flow_audit_steps}.")
     if args.vocab_stats_token_chunk_size < 1 or args.vocab_stats_vocab_chunk_size < 1:
         raise ValueError("vocab_stats_token_chunk_size and vocab_stats_vocab_chunk_size must be >= 1.")
-    uses_estimate = method_class.needs_rollout_pass or args.entropy_flow_diagnostics
-    if uses_estimate:
+    if method_class.needs_rollout_pass or args.entropy_flow_diagnostics:  # the estimate is computed
+        if args.entropy_flow_estimate == "param":
+            _check_param_optimizer(args)
         check_estimate_backend(
             args.entropy_flow_estimate,
             deepspeed=_uses_deepspeed(args),
             fsdp=_uses_fsdp(args),
             compiled=args.torch_compile,
-        )
-    reasons = _off_policy_reasons(args)
-    if reasons and getattr(args, "opefo_balance", "batch") == "step":
-        raise ValueError(
-            f"opefo_balance='step' offsets the momentum of the one optimizer step its rollout batch is used for, but "
-            f"this configuration has {' and '.join(reasons)}; allow_off_policy does not extend to it. Set "
-            "num_iterations=1 and leave steps_per_generation unset, or use opefo_balance='batch'."
-        )
-    if reasons and method_class.on_policy_only and not args.allow_off_policy:
-        raise ValueError(
-            f"method={args.method!r} is strictly on-policy: lambda* is computed over one rollout batch and applied in "
-            f"exactly one optimizer step, but this configuration has {' and '.join(reasons)}. Fix: set "
-            "num_iterations=1 and leave steps_per_generation unset (it then equals gradient_accumulation_steps); or, "
-            f"for plain GRPO, {grpo_fix}; or, to run {args.method} off-policy deliberately, {off_policy_fix}."
         )
 
 

@@ -4,7 +4,7 @@ Every loader returns a `datasets.Dataset` with exactly two columns, the contract
 `GRPOTrainer` with `opefo_trl.rewards.math_accuracy_reward`:
 
 - `prompt`: the problem as a chat (a list of `{"role", "content"}` messages) built by
-  `opefo_trl.templates.format_prompt(problem, template)`;
+  `opefo_trl.prompts.format_prompt(problem, template)`;
 - `solution`: the gold final answer as a string (what the verifier compares the completion with).
 
 Presets (`DATASET_PRESETS`) cover the data sets of the OPEFO comparison and two common alternatives:
@@ -19,6 +19,9 @@ Presets (`DATASET_PRESETS`) cover the data sets of the OPEFO comparison and two 
 The raw DAPO set is deduplicated by problem text (its instruction removed). Any other hub id, local data set directory,
 or local JSON / JSONL / Parquet / CSV file works too, with the problem and answer columns named explicitly. `data_files`
 replaces the hub download with local files of the preset's format (offline runs and tests).
+
+Local data files, for training and for ``opefo-eval``'s local benchmarks: :func:`local_file_builder` checks JSON /
+JSONL / Parquet / CSV files and names the `datasets` builder that reads them; :func:`load_local_files` loads them.
 
 Examples:
     >>> ds = load_math_dataset("gsm8k", template="qwen_math_boxed")  # doctest: +SKIP
@@ -41,9 +44,12 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from opefo_trl.model_io import load_local_files, render_prompts
+from opefo_trl.prompts import render_prompts
 
 logger = logging.getLogger(__name__)
+
+LOCAL_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+"""File extension -> `datasets` builder of the local data files every loader accepts."""
 
 ANSWER_FORMATS = ("plain", "boxed", "gsm8k")
 """How the gold answer is stored in the answer column: as-is, inside the last ``\\boxed{}``, or after ``####``."""
@@ -101,6 +107,72 @@ DATASET_PRESETS: dict[str, DatasetPreset] = {
         description="GSM8K grade-school arithmetic, 7.5k train problems; the gold answer follows '####'.",
     ),
 }
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Local data files
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def is_local_data_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names a local data file by its extension (it need not exist).
+
+    >>> is_local_data_file("data/aime.parquet"), is_local_data_file("HuggingFaceH4/aime_2024")
+    (True, False)
+    """
+    return os.path.splitext(os.fspath(path))[1].lower() in LOCAL_FILE_BUILDERS
+
+
+def _as_file_list(data_files: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+    if isinstance(data_files, (str, os.PathLike)):
+        data_files = [data_files]
+    return [os.fspath(path) for path in data_files]
+
+
+def local_file_builder(data_files: str | os.PathLike | Sequence[str | os.PathLike]) -> str:
+    """The `datasets` builder (json / parquet / csv) for local files, checking that they exist and agree.
+
+    >>> local_file_builder(["/nonexistent.txt"])
+    Traceback (most recent call last):
+    ...
+    FileNotFoundError: Data file '/nonexistent.txt' does not exist.
+    """
+    files = _as_file_list(data_files)
+    if not files:
+        raise ValueError("data_files is empty: give at least one local JSON / JSONL / Parquet / CSV file.")
+    builders = set()
+    for path in files:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"Data file {path!r} does not exist.")
+        if _is_blank(path):  # `datasets` fails on it with a bare StopIteration
+            raise ValueError(f"Data file {path!r} is empty; give a file with at least one row.")
+        extension = os.path.splitext(path)[1].lower()
+        if extension not in LOCAL_FILE_BUILDERS:
+            raise ValueError(
+                f"Data file {path!r} has an unsupported extension {extension!r}; use one of "
+                f"{', '.join(LOCAL_FILE_BUILDERS)}."
+            )
+        builders.add(LOCAL_FILE_BUILDERS[extension])
+    if len(builders) > 1:
+        raise ValueError(f"All data files must have one format, got a mix of {sorted(builders)}: {files}.")
+    return builders.pop()
+
+
+def _is_blank(path: str, chunk_size: int = 1 << 16) -> bool:
+    """Whether a file holds nothing but whitespace (read up to its first other byte)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_size):
+            if chunk.strip():
+                return False
+    return True
+
+
+def load_local_files(data_files: str | os.PathLike | Sequence[str | os.PathLike], split: str = "train"):
+    """Load local JSON / JSONL / Parquet / CSV files (one format) as one `datasets.Dataset` named ``split``."""
+    from datasets import load_dataset
+
+    builder = local_file_builder(data_files)
+    return load_dataset(builder, data_files={split: _as_file_list(data_files)}, split=split)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -254,11 +326,11 @@ def unwrap_dapo_instruction(text: str) -> str:
     Text without DAPO's wrapper is returned unchanged, so ``format_prompt(problem, "dapo")`` reproduces the original
     prompt exactly.
 
-        >>> from opefo_trl.templates import format_prompt
+        >>> from opefo_trl.prompts import format_prompt
         >>> unwrap_dapo_instruction(format_prompt("What is 1 + 1?", "dapo")[0]["content"])
         'What is 1 + 1?'
     """
-    from opefo_trl.templates import DAPO_USER_PROMPT, PROBLEM_PLACEHOLDER
+    from opefo_trl.prompts import DAPO_USER_PROMPT, PROBLEM_PLACEHOLDER
 
     prefix, suffix = DAPO_USER_PROMPT.split(PROBLEM_PLACEHOLDER)
     if text.startswith(prefix) and text.endswith(suffix) and len(text) > len(prefix) + len(suffix):
@@ -376,7 +448,7 @@ def load_math_dataset(
     Args:
         name: a preset from `DATASET_PRESETS`, `"local"` (then `data_files` is required), any hub id, a local data
             set directory or a single local file.
-        template: a prompt template name from `opefo_trl.templates.PROMPT_TEMPLATES`.
+        template: a prompt template name from `opefo_trl.prompts.PROMPT_TEMPLATES`.
         split: the split to load (for local files: the name given to them).
         config: the hub configuration, overriding the preset's.
         data_files: local JSON / JSONL / Parquet / CSV files read instead of downloading `name` (same columns).
@@ -397,7 +469,7 @@ def load_math_dataset(
     """
     from datasets import Dataset
 
-    from opefo_trl.templates import format_prompt, get_template
+    from opefo_trl.prompts import format_prompt, get_template
 
     source = resolve_dataset_source(
         name,
@@ -459,7 +531,7 @@ def load_math_dataset(
 
 
 def prompt_token_lengths(dataset, tokenizer, *, chat_template_kwargs: dict | None = None, batch_size: int = 1000):
-    """Token count of every `prompt`, rendered as GRPOTrainer renders it (`opefo_trl.model_io.render_prompts`)."""
+    """Token count of every `prompt`, rendered as GRPOTrainer renders it (`opefo_trl.prompts.render_prompts`)."""
     lengths: list[int] = []
     prompts = dataset["prompt"]
     for start in range(0, len(dataset), batch_size):

@@ -2,11 +2,16 @@
 
 Pure torch, no TRL import. The trainer (``opefo_trl.trainer``) is the only glue; a method only sees tensors.
 
-A method is a class with a settings dataclass and up to three hooks, all optional:
+A method is one class, registered by name with ``@register_token_method("name")``; everything about it is in it:
 
-- ``Settings``: a dataclass whose fields are the method's options, each declared once with its default, its ``help``
-  and (in ``__post_init__``) its validation. ``OPEFOConfig`` inherits the built-in methods' settings, so they are
-  options of every TRL parser and recipe; the method is built from the config by keyword (``from_config``).
+- ``Settings``: a dataclass nested in the class whose fields are the method's options, each declared once with its
+  default and its ``help``, its own ranges checked in ``__post_init__``. ``OPEFOConfig`` inherits the settings of
+  every built-in method, so they are options of every TRL parser and recipe; the method is built from the config by
+  keyword (``from_config``).
+- ``check_config(args)``: what the method cannot run with in the rest of the configuration (TRL's options, the
+  entropy-flow settings), refused, or warned about, when the config is built, before any model loads.
+- ``table_rows``: its rows of the methods table (:func:`methods_table`, printed by ``python -m opefo_trl.methods``
+  and copied into the README).
 - ``rollout_weights(batch, reduce_sum)``: once per rollout batch, before the first backward, on the whole local
   rollout batch. Returns detached (B, T) weights multiplied into the advantages (OPEFO: lambda* needs every token
   of the optimizer step). ``reduce_sum`` sums a tensor over data-parallel ranks.
@@ -15,11 +20,13 @@ A method is a class with a settings dataclass and up to three hooks, all optiona
   extra per-token loss term (aggregated by the trainer exactly like the policy loss).
 - ``on_optimizer_step(reduce_sum)``: once per optimizer step, after the last micro-batch (controllers, metrics).
 
+All but the registration are optional.
+
 Because every weight is >= 0, scaling the per-token advantage by it is exactly the reweighted loss for every TRL
 loss type, clipping included, and TRL's normalisation, KL term, entropy bonus and vLLM correction stay untouched.
 
 Add a method by subclassing ``TokenMethod`` and decorating it with ``@register_token_method("name")``
-(CONTRIBUTING.md has the checklist).
+(CONTRIBUTING.md has the checklist). A built-in method is such a class in this module, nothing else.
 
 Example:
     >>> import torch
@@ -35,9 +42,9 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -45,6 +52,8 @@ from .entropy_flow import BALANCES, SIDES, FlowStats, check_choice, flow_stats, 
 from .param_flow import solve_step_balance
 
 ReduceSum = Callable[[torch.Tensor], torch.Tensor]
+#: ``OPEFOConfig``'s default ``method``, first in the methods table.
+DEFAULT_METHOD = "opefo"
 #: The start of every regime-guard warning (docs/algorithm.md, "The regime guard").
 REGIME_GUARD = "OPEFO regime guard: "
 
@@ -110,15 +119,21 @@ class TokenMethod:
     Settings: ClassVar[type] = NoSettings
     #: Needs statistics over the whole rollout batch before the first backward (one update per rollout batch).
     needs_rollout_pass: ClassVar[bool] = False
-    #: Refuses off-policy configurations unless the user opts in.
-    on_policy_only: ClassVar[bool] = False
+    #: This class's own rows of the methods table (``methods_table``): (what, how to configure it); ``{defaults}``
+    #: in the second is replaced by the settings' defaults. Read from the class itself, never inherited.
+    table_rows: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("GRPO, 8 updates per rollout", '`method="grpo"`, `steps_per_generation=8 * gradient_accumulation_steps`'),
+        ("strict on-policy GRPO", '`method="grpo"`'),
+        ("Entropy-Reg", '`method="grpo"`, `entropy_coef=1e-3` or `use_adaptive_entropy=True` (TRL\'s own)'),
+        ("Clip-higher", '`method="grpo"`, `epsilon_high=0.28` (TRL\'s own; active only off-policy)'),
+    )
 
     def __init__(self, settings=None, **values) -> None:
         if settings is not None and values:
             raise TypeError("Pass either a settings object or its fields as keywords, not both.")
         if settings is not None and not isinstance(settings, self.Settings):
             raise TypeError(
-                f"{type(self).__name__} takes a {self.Settings.__name__} or its fields as keywords, got "
+                f"{type(self).__name__} takes a {_class_name(self.Settings)} or its fields as keywords, got "
                 f"{type(settings).__name__}; e.g. {type(self).__name__}(**{{'<field>': value}})."
             )
         self.settings = self.Settings(**values) if settings is None else settings  # validated on construction
@@ -132,10 +147,19 @@ class TokenMethod:
         if missing:
             raise ValueError(
                 f"method={cls.name!r} reads the settings {missing}, which {type(config).__name__} does not have. Give "
-                f"the config class these fields, e.g. `@dataclass class MyConfig(OPEFOConfig, {cls.Settings.__name__})"
-                ": pass`."
+                "the config class these fields, e.g. `@dataclass class MyConfig(OPEFOConfig, "
+                f"{_class_name(cls.Settings)}): pass`."
             )
         return cls.Settings(**{name: getattr(config, name) for name in names})
+
+    @classmethod
+    def check_config(cls, args: Any) -> None:
+        """Refuse (ValueError naming the options and a fix), or warn about, what this method cannot run with in the
+        rest of a configuration; called when the config is built, after the settings' own checks.
+
+        ``args`` is an ``OPEFOConfig`` or a ``GRPOConfig`` given the OPEFO options by ``OPEFOTrainer``: every option
+        is an attribute. Plain GRPO needs nothing beyond TRL's own checks.
+        """
 
     @classmethod
     def from_config(cls, config) -> TokenMethod:
@@ -179,6 +203,11 @@ class TokenMethod:
         pass
 
 
+def _class_name(cls: type) -> str:
+    """How code names a class: ``OPEFO.Settings`` for a nested one, without a function's ``<locals>`` prefix."""
+    return cls.__qualname__.rsplit("<locals>.", 1)[-1]
+
+
 TOKEN_METHODS: dict[str, type[TokenMethod]] = {}
 
 
@@ -188,6 +217,12 @@ def register_token_method(name: str):
     def register(cls: type[TokenMethod]) -> type[TokenMethod]:
         if name in TOKEN_METHODS:
             raise ValueError(f"A token method named {name!r} is already registered ({TOKEN_METHODS[name].__name__}).")
+        if "on_policy_only" in vars(cls):  # the flag of earlier releases: refusing it beats ignoring it
+            raise TypeError(
+                f"{cls.__name__}.on_policy_only is no longer read: refuse off-policy configurations in "
+                "`check_config(args)` instead (`off_policy_reasons(args)` says why one is off-policy; "
+                "OPEFO.check_config is an example)."
+            )
         cls.name = name
         TOKEN_METHODS[name] = cls
         return cls
@@ -209,6 +244,30 @@ def build_token_method(name: str, **settings) -> TokenMethod:
 register_token_method("grpo")(TokenMethod)
 
 
+def off_policy_reasons(args: Any) -> list[str]:
+    """Why a configuration uses a rollout batch for more than one optimizer step (empty when strictly on-policy).
+
+    >>> from types import SimpleNamespace
+    >>> off_policy_reasons(SimpleNamespace(num_iterations=2, steps_per_generation=4, gradient_accumulation_steps=4))
+    ['num_iterations=2 (several updates per rollout batch)']
+    """
+    reasons = []
+    if args.num_iterations > 1:
+        reasons.append(f"num_iterations={args.num_iterations} (several updates per rollout batch)")
+    if args.steps_per_generation != args.gradient_accumulation_steps:
+        reasons.append(
+            f"steps_per_generation={args.steps_per_generation} != gradient_accumulation_steps="
+            f"{args.gradient_accumulation_steps} (a rollout batch is not exactly one optimizer step)"
+        )
+    return reasons
+
+
+def _options_are_fields(args: Any) -> bool:
+    """Whether the OPEFO options are fields of ``args``'s class (an ``OPEFOConfig``: a fix is an argument, also of
+    opefo-train) rather than attributes ``OPEFOTrainer`` gave a ``GRPOConfig`` (a fix is an attribute to set)."""
+    return dataclasses.is_dataclass(args) and "method" in {f.name for f in dataclasses.fields(args)}
+
+
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
@@ -226,51 +285,6 @@ def covariance_scores(batch: TokenBatch) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class OPEFOSettings:
-    """Options of ``method="opefo"``."""
-
-    opefo_lambda: float | None = setting(
-        None, "Fixed lambda in [-1, 1] instead of the balancing lambda* (the paper's static-lambda ablation)."
-    )
-    opefo_sides: str = setting(
-        "both", "Which set OPEFO rescales: 'both', 'increase_only' (S+) or 'decrease_only' (S-) (paper ablations)."
-    )
-    opefo_balance: str = setting(
-        "batch",
-        "What lambda balances. 'batch' (the paper's): the reweighted batch's own first-order entropy flow sums to 0. "
-        "'step' (this library's): the first-order entropy change of the real next AdamW step is 0 (its moments, bias "
-        "correction, eps, weight decay and the gradient clip included), lambda found by a 1-D root search; needs "
-        "entropy_flow_estimate='param' with entropy_flow_preconditioner='adam'.",
-    )
-    opefo_lambda_warn: float = setting(
-        0.1,
-        "Warn once when |lambda*| averaged over the last 20 optimizer steps exceeds this: the paper's lambda* is "
-        "~1e-3, and a large one means the entropy flow is far from balanced, so OPEFO's reweighting is no longer a "
-        "small correction.",
-    )
-
-    def __post_init__(self):
-        check_choice("opefo_sides", self.opefo_sides, SIDES)
-        check_choice("opefo_balance", self.opefo_balance, BALANCES)
-        if self.opefo_balance == "step" and self.opefo_lambda is not None:
-            raise ValueError(
-                "opefo_balance='step' chooses lambda every step, which a fixed opefo_lambda overrides. Remove one."
-            )
-        if self.opefo_balance == "step" and self.opefo_sides != "both":
-            raise ValueError(
-                f"opefo_balance='step' solves for lambda with both sets rescaled, so opefo_sides={self.opefo_sides!r} "
-                "would not balance the step. Use opefo_sides='both', or opefo_balance='batch' for the paper's ablation."
-            )
-        if self.opefo_lambda is not None and not -1.0 <= self.opefo_lambda <= 1.0:
-            raise ValueError(
-                "opefo_lambda must lie in [-1, 1] (token weights 1 +/- lambda must stay >= 0); "
-                f"got {self.opefo_lambda}."
-            )
-        if not self.opefo_lambda_warn > 0:
-            raise ValueError(f"opefo_lambda_warn must be > 0; got {self.opefo_lambda_warn}.")
-
-
 @register_token_method("opefo")
 class OPEFO(TokenMethod):
     """On-Policy Entropy Flow Optimization: rescale S+ / S- by 1 +/- lambda* so the batch's net entropy flow is 0.
@@ -281,9 +295,63 @@ class OPEFO(TokenMethod):
     optimizer step then leaves the mean token entropy unchanged to first order.
     """
 
-    Settings = OPEFOSettings
+    @dataclass
+    class Settings:
+        """Options of ``method="opefo"``."""
+
+        opefo_lambda: float | None = setting(
+            None, "Fixed lambda in [-1, 1] instead of the balancing lambda* (the paper's static-lambda ablation)."
+        )
+        opefo_sides: str = setting(
+            "both", "Which set OPEFO rescales: 'both', 'increase_only' (S+) or 'decrease_only' (S-) (paper ablations)."
+        )
+        opefo_balance: str = setting(
+            "batch",
+            "What lambda balances. 'batch' (the paper's): the reweighted batch's own first-order entropy flow sums to "
+            "0. 'step' (this library's): the first-order entropy change of the real next AdamW step is 0 (its moments, "
+            "bias correction, eps, weight decay and the gradient clip included), lambda found by a 1-D root search; "
+            "needs entropy_flow_estimate='param' with entropy_flow_preconditioner='adam'.",
+        )
+        opefo_lambda_warn: float = setting(
+            0.1,
+            "Warn once when |lambda*| averaged over the last 20 optimizer steps exceeds this: the paper's lambda* is "
+            "~1e-3, and a large one means the entropy flow is far from balanced, so OPEFO's reweighting is no longer a "
+            "small correction.",
+        )
+
+        def __post_init__(self):
+            check_choice("opefo_sides", self.opefo_sides, SIDES)
+            check_choice("opefo_balance", self.opefo_balance, BALANCES)
+            if self.opefo_balance == "step" and self.opefo_lambda is not None:
+                raise ValueError(
+                    "opefo_balance='step' chooses lambda every step, which a fixed opefo_lambda overrides. Remove one."
+                )
+            if self.opefo_balance == "step" and self.opefo_sides != "both":
+                raise ValueError(
+                    "opefo_balance='step' solves for lambda with both sets rescaled, so "
+                    f"opefo_sides={self.opefo_sides!r} would not balance the step. Use opefo_sides='both', or "
+                    "opefo_balance='batch' for the paper's ablation."
+                )
+            if self.opefo_lambda is not None and not -1.0 <= self.opefo_lambda <= 1.0:
+                raise ValueError(
+                    "opefo_lambda must lie in [-1, 1] (token weights 1 +/- lambda must stay >= 0); "
+                    f"got {self.opefo_lambda}."
+                )
+            if not self.opefo_lambda_warn > 0:
+                raise ValueError(f"opefo_lambda_warn must be > 0; got {self.opefo_lambda_warn}.")
+
     needs_rollout_pass = True
-    on_policy_only = True
+    table_rows = (
+        (
+            "OPEFO (default)",
+            '`method="opefo"`; `entropy_flow_estimate` in `opefo` (default), `onaction`, `sign`, `full`, `param`',
+        ),
+        ("OPEFO ablations", '`opefo_lambda=0.001` (static λ), `opefo_sides="increase_only"` / `"decrease_only"`'),
+        (
+            "OPEFO, whole AdamW step balanced (ours)",
+            '`entropy_flow_estimate="param"`, `opefo_balance="step"`: λ also offsets what Adam\'s momentum carries',
+        ),
+    )
     #: Optimizer steps over which the regime guard averages |lambda*|.
     REGIME_WINDOW = 20
     #: The regime guard also warns once when a rollout's mean token entropy exceeds this multiple of the first
@@ -291,7 +359,7 @@ class OPEFO(TokenMethod):
     #: a uniform policy (reward 0) crossed 1.2x two steps before it died, with |lambda*| averaging only 0.04.
     ENTROPY_RISE_WARN = 1.2
 
-    def __init__(self, settings: OPEFOSettings | None = None, *, flow_estimate: str = "opefo", **values) -> None:
+    def __init__(self, settings: Settings | None = None, *, flow_estimate: str = "opefo", **values) -> None:
         super().__init__(settings, **values)
         self.flow_estimate = flow_estimate  # for the regime guard's advice
         self._recent_lambdas: deque[float] = deque(maxlen=self.REGIME_WINDOW)
@@ -301,6 +369,46 @@ class OPEFO(TokenMethod):
         self._warned: set[str] = set()
         self._warned_one_sided = False
         self._warned_unbalanced = False
+
+    @classmethod
+    def check_config(cls, args: Any) -> None:
+        """Strictly on-policy unless ``allow_off_policy``; the step balance needs the `param` estimate with the Adam
+        preconditioner, no KL term or entropy bonus, and one optimizer step per rollout batch."""
+        step = args.opefo_balance == "step"
+        if step and (args.entropy_flow_estimate != "param" or args.entropy_flow_preconditioner != "adam"):
+            raise ValueError(
+                "opefo_balance='step' offsets what Adam's momentum carries into the step, which only the 'param' "
+                f"estimate with the 'adam' preconditioner measures; got entropy_flow_estimate="
+                f"{args.entropy_flow_estimate!r}, entropy_flow_preconditioner={args.entropy_flow_preconditioner!r}. "
+                "Set entropy_flow_estimate='param' and entropy_flow_preconditioner='adam', or opefo_balance='batch'."
+            )
+        if step and (args.beta != 0 or args.entropy_coef != 0):
+            raise ValueError(
+                f"opefo_balance='step' zeroes the first-order entropy change of the policy-gradient step, but the "
+                f"loss also has a KL term (beta={args.beta}) or an entropy bonus (entropy_coef={args.entropy_coef}) "
+                "whose gradients move the entropy outside the balance. Set beta=0 and entropy_coef=0 (the paper's "
+                "setup), or use opefo_balance='batch'."
+            )
+        reasons = off_policy_reasons(args)
+        if reasons and step:
+            raise ValueError(
+                f"opefo_balance='step' offsets the momentum of the one optimizer step its rollout batch is used for, "
+                f"but this configuration has {' and '.join(reasons)}; allow_off_policy does not extend to it. Set "
+                "num_iterations=1 and leave steps_per_generation unset, or use opefo_balance='batch'."
+            )
+        if reasons and not args.allow_off_policy:
+            if _options_are_fields(args):  # refused while it is built (also by opefo-train): the fix is an argument
+                grpo_fix = "`OPEFOConfig(..., method='grpo')` (opefo-train: --method grpo)"
+                off_policy_fix = "`OPEFOConfig(..., allow_off_policy=True)` (opefo-train: --allow_off_policy true)"
+            else:  # given the OPEFO options by OPEFOTrainer, which keeps the attributes set on the object
+                grpo_fix = f'set `args.method = "grpo"` on this {type(args).__name__} before passing it'
+                off_policy_fix = "set `args.allow_off_policy = True` on it"
+            raise ValueError(
+                f"method={args.method!r} is strictly on-policy: lambda* is computed over one rollout batch and applied "
+                f"in exactly one optimizer step, but this configuration has {' and '.join(reasons)}. Fix: set "
+                "num_iterations=1 and leave steps_per_generation unset (it then equals gradient_accumulation_steps); "
+                f"or, for plain GRPO, {grpo_fix}; or, to run {args.method} off-policy deliberately, {off_policy_fix}."
+            )
 
     @classmethod
     def from_config(cls, config) -> OPEFO:
@@ -423,26 +531,6 @@ class OPEFO(TokenMethod):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class PARSettings:
-    """Options of ``method="par"``."""
-
-    par_coef: float | None = setting(
-        None, "PAR: constant weight in [0, 1] of positive-advantage tokens; None for the entropy-guided controller."
-    )
-    par_coef_init: float = setting(0.0, "PAR controller: initial coefficient in [0, 1].")
-    par_entropy_target: float = setting(0.2, "PAR controller: target mean token entropy of an optimizer step.")
-    par_coef_step: float = setting(0.05, "PAR controller: change of the coefficient per optimizer step.")
-
-    def __post_init__(self):
-        for name in ("par_coef", "par_coef_init"):
-            value = getattr(self, name)
-            if value is not None and not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name} must lie in [0, 1]; got {value}.")
-        if not self.par_coef_step > 0:
-            raise ValueError(f"par_coef_step must be > 0; got {self.par_coef_step}.")
-
-
 @register_token_method("par")
 class PAR(TokenMethod):
     """Positive-Advantage Reweighting: tokens with A_t > 0 are weighted by c in [0, 1], the rest by 1.
@@ -452,9 +540,28 @@ class PAR(TokenMethod):
     clip(c + step, 0, 1).
     """
 
-    Settings = PARSettings
+    @dataclass
+    class Settings:
+        """Options of ``method="par"``."""
 
-    def __init__(self, settings: PARSettings | None = None, **values) -> None:
+        par_coef: float | None = setting(
+            None, "PAR: constant weight in [0, 1] of positive-advantage tokens; None for the entropy-guided controller."
+        )
+        par_coef_init: float = setting(0.0, "PAR controller: initial coefficient in [0, 1].")
+        par_entropy_target: float = setting(0.2, "PAR controller: target mean token entropy of an optimizer step.")
+        par_coef_step: float = setting(0.05, "PAR controller: change of the coefficient per optimizer step.")
+
+        def __post_init__(self):
+            for name in ("par_coef", "par_coef_init"):
+                value = getattr(self, name)
+                if value is not None and not 0.0 <= value <= 1.0:
+                    raise ValueError(f"{name} must lie in [0, 1]; got {value}.")
+            if not self.par_coef_step > 0:
+                raise ValueError(f"par_coef_step must be > 0; got {self.par_coef_step}.")
+
+    table_rows = (("PAR", '`method="par"` (entropy-guided coefficient, state saved in checkpoints) or `par_coef=c`'),)
+
+    def __init__(self, settings: Settings | None = None, **values) -> None:
         super().__init__(settings, **values)
         self.adaptive = self.settings.par_coef is None
         self.coef = self.settings.par_coef_init if self.adaptive else self.settings.par_coef
@@ -499,21 +606,6 @@ def _count(fraction: float, n_valid: torch.Tensor) -> int:
     return max(1, int(fraction * int(n_valid)))
 
 
-@dataclass
-class ClipCovSettings:
-    """Options of ``method="clip_cov"``."""
-
-    clip_cov_ratio: float = setting(2e-4, "Clip-Cov: fraction of the tokens in the loss whose gradient is dropped.")
-    clip_cov_lb: float = setting(1.0, "Clip-Cov: lower bound of the covariance window.")
-    clip_cov_ub: float = setting(5.0, "Clip-Cov: upper bound of the covariance window.")
-
-    def __post_init__(self):
-        if not 0.0 < self.clip_cov_ratio <= 1.0:
-            raise ValueError(f"clip_cov_ratio must lie in (0, 1]; got {self.clip_cov_ratio}.")
-        if not self.clip_cov_lb < self.clip_cov_ub:
-            raise ValueError(f"clip_cov_lb must be < clip_cov_ub; got {self.clip_cov_lb} >= {self.clip_cov_ub}.")
-
-
 @register_token_method("clip_cov")
 class ClipCov(TokenMethod):
     """Clip-Cov: drop the gradient of a few random tokens whose covariance score lies in (lb, ub).
@@ -523,10 +615,24 @@ class ClipCov(TokenMethod):
     ``epsilon_low`` / ``epsilon_high`` are TRL's clip range (``epsilon``, ``epsilon_high``).
     """
 
-    Settings = ClipCovSettings
+    @dataclass
+    class Settings:
+        """Options of ``method="clip_cov"``."""
+
+        clip_cov_ratio: float = setting(2e-4, "Clip-Cov: fraction of the tokens in the loss whose gradient is dropped.")
+        clip_cov_lb: float = setting(1.0, "Clip-Cov: lower bound of the covariance window.")
+        clip_cov_ub: float = setting(5.0, "Clip-Cov: upper bound of the covariance window.")
+
+        def __post_init__(self):
+            if not 0.0 < self.clip_cov_ratio <= 1.0:
+                raise ValueError(f"clip_cov_ratio must lie in (0, 1]; got {self.clip_cov_ratio}.")
+            if not self.clip_cov_lb < self.clip_cov_ub:
+                raise ValueError(f"clip_cov_lb must be < clip_cov_ub; got {self.clip_cov_lb} >= {self.clip_cov_ub}.")
+
+    table_rows = (("Clip-Cov", '`method="clip_cov"` ({defaults})'),)
 
     def __init__(
-        self, settings: ClipCovSettings | None = None, *, epsilon_low: float = 0.2, epsilon_high: float = 0.2, **values
+        self, settings: Settings | None = None, *, epsilon_low: float = 0.2, epsilon_high: float = 0.2, **values
     ) -> None:
         super().__init__(settings, **values)
         self.epsilon_low, self.epsilon_high = epsilon_low, epsilon_high
@@ -571,22 +677,6 @@ class ClipCov(TokenMethod):
 KL_COV_NO_CLIP = 1e9
 
 
-@dataclass
-class KLCovSettings:
-    """Options of ``method="kl_cov"``."""
-
-    kl_cov_ratio: float = setting(
-        2e-3, "KL-Cov: fraction of the tokens in the loss (top by covariance) given the KL penalty."
-    )
-    kl_cov_coef: float = setting(1.0, "KL-Cov: coefficient of the |log ratio| penalty.")
-
-    def __post_init__(self):
-        if not 0.0 < self.kl_cov_ratio <= 1.0:
-            raise ValueError(f"kl_cov_ratio must lie in (0, 1]; got {self.kl_cov_ratio}.")
-        if self.kl_cov_coef < 0:
-            raise ValueError(f"kl_cov_coef must be >= 0; got {self.kl_cov_coef}.")
-
-
 @register_token_method("kl_cov")
 class KLCov(TokenMethod):
     """KL-Cov: add ``coef * |log r_t|`` to the loss of the top-k tokens by covariance score.
@@ -595,26 +685,40 @@ class KLCov(TokenMethod):
     is plain GRPO there; the published baselines take 8 updates per rollout batch.
     """
 
-    Settings = KLCovSettings
+    @dataclass
+    class Settings:
+        """Options of ``method="kl_cov"``."""
+
+        kl_cov_ratio: float = setting(
+            2e-3, "KL-Cov: fraction of the tokens in the loss (top by covariance) given the KL penalty."
+        )
+        kl_cov_coef: float = setting(1.0, "KL-Cov: coefficient of the |log ratio| penalty.")
+
+        def __post_init__(self):
+            if not 0.0 < self.kl_cov_ratio <= 1.0:
+                raise ValueError(f"kl_cov_ratio must lie in (0, 1]; got {self.kl_cov_ratio}.")
+            if self.kl_cov_coef < 0:
+                raise ValueError(f"kl_cov_coef must be >= 0; got {self.kl_cov_coef}.")
+
+    table_rows = (("KL-Cov", '`method="kl_cov"` ({defaults}; inert on-policy, warned)'),)
 
     @classmethod
-    def from_config(cls, config) -> KLCov:
-        strict = config.num_iterations == 1 and config.steps_per_generation == config.gradient_accumulation_steps
-        if strict:
+    def check_config(cls, args: Any) -> None:
+        """Runs anywhere; warns where it cannot be the published KL-Cov (on-policy: inert; PPO's clip: kept)."""
+        if not off_policy_reasons(args):
             warnings.warn(
                 "method='kl_cov' in a strict on-policy configuration is inert: log r = 0 (up to sampler noise with "
                 "vLLM), so the |log r| penalty has no gradient and training is plain GRPO. The published KL-Cov "
                 "baselines take 8 updates per rollout (steps_per_generation = 8 * gradient_accumulation_steps).",
                 stacklevel=2,
             )
-        if config.epsilon < KL_COV_NO_CLIP:
+        if args.epsilon < KL_COV_NO_CLIP:
             warnings.warn(
-                f"method='kl_cov' runs on TRL's clipped loss (epsilon={config.epsilon}); the published KL-Cov has no "
+                f"method='kl_cov' runs on TRL's clipped loss (epsilon={args.epsilon}); the published KL-Cov has no "
                 f"PPO clipping (pg = -A r). Set epsilon and epsilon_high to {KL_COV_NO_CLIP:g} or more to switch it "
                 "off.",
                 stacklevel=2,
             )
-        return cls(cls.settings_from(config))
 
     def select(self, batch: TokenBatch) -> torch.Tensor:
         """Boolean (B, T) mask of the top-k tokens in the loss by covariance score."""
@@ -635,5 +739,44 @@ class KLCov(TokenMethod):
         return TokenTerms(extra_loss=penalty)
 
 
-#: The settings dataclasses of the built-in methods (``OPEFOConfig`` inherits them).
-BUILTIN_METHOD_SETTINGS = (OPEFOSettings, PARSettings, ClipCovSettings, KLCovSettings)
+#: The built-in methods, in registration order: every class registered above.
+BUILTIN_METHODS: tuple[type[TokenMethod], ...] = tuple(TOKEN_METHODS.values())
+#: The settings dataclasses of the built-in methods that have options (``OPEFOConfig`` inherits them).
+BUILTIN_METHOD_SETTINGS: tuple[type, ...] = tuple(m.Settings for m in BUILTIN_METHODS if dataclasses.fields(m.Settings))
+# The settings' names of earlier releases.
+OPEFOSettings = OPEFO.Settings
+PARSettings = PAR.Settings
+ClipCovSettings = ClipCov.Settings
+KLCovSettings = KLCov.Settings
+
+
+def _defaults(settings: type) -> str:
+    values = ((f.name, f.default) for f in dataclasses.fields(settings))
+    return ", ".join(
+        f"`{name}={value:g}`" if isinstance(value, float) else f"`{name}={value!r}`" for name, value in values
+    )
+
+
+def methods_table(methods: Iterable[type[TokenMethod]] | None = None) -> str:
+    """The methods table (markdown): every row of each method's ``table_rows``; a method without rows of its own gets
+    one naming it and its settings' defaults. Default: every registered method, ``DEFAULT_METHOD`` first.
+
+    >>> print(methods_table([PAR]))
+    | method | configuration |
+    |---|---|
+    | PAR | `method="par"` (entropy-guided coefficient, state saved in checkpoints) or `par_coef=c` |
+    """
+    if methods is None:
+        methods = sorted(TOKEN_METHODS.values(), key=lambda m: m.name != DEFAULT_METHOD)  # stable: registry order
+    lines = ["| method | configuration |", "|---|---|"]
+    for method in methods:
+        defaults = _defaults(method.Settings)
+        rows = vars(method).get("table_rows") or (
+            (method.__name__, f'`method="{method.name}"`' + (" ({defaults})" if defaults else "")),
+        )
+        lines += [f"| {what} | {how.replace('{defaults}', defaults)} |" for what, how in rows]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # the README's methods table
+    print(methods_table())

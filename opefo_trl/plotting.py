@@ -24,16 +24,16 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-STATE_FILE = "trainer_state.json"
+from .runs import CHECKPOINT_RE, METRICS_FILE, METRICS_FILE_PER_RANK, TRAINER_STATE_NAME, checkpoints
+
+STATE_FILE = TRAINER_STATE_NAME
 #: What `opefo-train` writes (`metrics_jsonl`): the main process's file, else rank 0's.
-METRICS_FILES = ("metrics.jsonl", "metrics.rank0.jsonl")
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+METRICS_FILES = (METRICS_FILE, METRICS_FILE_PER_RANK.format(rank=0))
 
 
 @dataclass(frozen=True)
@@ -117,13 +117,9 @@ def find_state_file(path: str | os.PathLike) -> str:
         direct = os.path.join(path, name)
         if os.path.isfile(direct):
             return direct
-    checkpoints = []
-    for name in os.listdir(path):
-        match = _CHECKPOINT_RE.match(name)
-        if match and os.path.isfile(os.path.join(path, name, STATE_FILE)):
-            checkpoints.append((int(match.group(1)), name))
-    if checkpoints:
-        return os.path.join(path, max(checkpoints)[1], STATE_FILE)
+    saved = [folder for _, folder in checkpoints(path) if os.path.isfile(os.path.join(folder, STATE_FILE))]
+    if saved:
+        return os.path.join(saved[-1], STATE_FILE)
     raise RunNotFoundError(
         f"No {STATE_FILE} nor {METRICS_FILES[0]} in {path!r}, nor a checkpoint-* folder under it. Point at a run's "
         "output_dir after `trainer.save_state()` (or with save_strategy != 'no') or from opefo-train, a checkpoint "
@@ -134,7 +130,7 @@ def find_state_file(path: str | os.PathLike) -> str:
 def _default_label(state_path: str) -> str:
     folder = os.path.dirname(os.path.abspath(state_path))
     name = os.path.basename(folder)
-    if _CHECKPOINT_RE.match(name):
+    if CHECKPOINT_RE.match(name):
         name = os.path.basename(os.path.dirname(folder))
     return name
 
@@ -182,7 +178,7 @@ def load_runs(paths: Sequence[str | os.PathLike]) -> list[RunHistory]:
     for run in runs:
         if labels.count(run.label) > 1:
             folder = os.path.dirname(os.path.abspath(run.state_path))
-            if _CHECKPOINT_RE.match(os.path.basename(folder)):
+            if CHECKPOINT_RE.match(os.path.basename(folder)):
                 folder = os.path.dirname(folder)
             run.label = f"{os.path.basename(os.path.dirname(folder))}/{run.label}"
     return runs

@@ -52,7 +52,7 @@ from typing import Any
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 from math_verify.errors import TimeoutException
 
-from .model_io import completion_to_text
+from .prompts import completion_to_text
 
 logger = logging.getLogger(__name__)
 
@@ -326,7 +326,7 @@ def math_accuracy_reward(
 
     Args:
         completions: Conversational completions (lists of messages; the last assistant message is scored, see
-            :func:`opefo_trl.model_io.completion_to_text`) or plain strings.
+            :func:`opefo_trl.prompts.completion_to_text`) or plain strings.
         solution: Gold answers, one per completion (the data set's ``solution`` column). Lists are allowed.
         log_metric: Passed by TRL's GRPOTrainer; receives ``rewards/math_accuracy_reward/failures`` (failed
             verifications in this call) and ``rewards/math_accuracy_reward/gold_unparseable``.

@@ -13,7 +13,7 @@ import pytest
 @pytest.fixture(scope="session")
 def keep_dtype_rms_norm():
     """``keep_dtype_rms_norm(model) -> model``: a Qwen2 in float64 stays float64 through its RMSNorms."""
-    from opefo_trl.tiny import keep_rms_norm_in_model_dtype
+    from opefo_trl.testing import keep_rms_norm_in_model_dtype
 
     return keep_rms_norm_in_model_dtype
 
@@ -21,7 +21,7 @@ def keep_dtype_rms_norm():
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):
     """Path of a saved random tiny Qwen2 model (hidden 64, 2 layers) with its tokenizer."""
-    from opefo_trl.tiny import build_tiny_model
+    from opefo_trl.testing import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2") / "model")
 
@@ -79,7 +79,7 @@ def bench_file(tmp_path_factory):
 def warm_model_path(tiny_model_path, tmp_path_factory):
     """The tiny model after a few supervised steps on fixed answers: peaked policies, away from the entropy maximum
     (near it, a step's first-order entropy change is swamped by curvature)."""
-    from opefo_trl.tiny import warm_up_tiny_model
+    from opefo_trl.testing import warm_up_tiny_model
 
     return warm_up_tiny_model(tiny_model_path, tmp_path_factory.mktemp("warm") / "model")
 
@@ -163,3 +163,46 @@ def tiny_settings():
     from opefo_trl.demo import DemoSettings
 
     return lambda **overrides: DemoSettings(**{**DEMO_TINY, **overrides})
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Run folders as a Trainer leaves them (plotting, opefo-plot)
+# ----------------------------------------------------------------------------------------------------------------------
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def write_trainer_state(folder, rows):
+    """A run folder holding a trainer_state.json with ``rows`` as its log_history; returns the file's path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "trainer_state.json"
+    path.write_text(json.dumps({"global_step": len(rows), "log_history": rows}))
+    return path
+
+
+def trainer_state_rows(n, entropy0, flows=True):
+    """``n`` logged steps of entropy, reward and (with ``flows``) the entropy flows, then the Trainer's closing row."""
+    rows = []
+    for step in range(1, n + 1):
+        row = {"step": step, "epoch": step / n, "entropy": entropy0 / step, "reward": 0.1 * step, "loss": 0.0}
+        if flows:
+            row.update(
+                {
+                    "entropy_flow/lambda": 0.01 * (-1) ** step,
+                    "entropy_flow/increase": 1.0 + step,
+                    "entropy_flow/decrease": 2.0 + step,
+                }
+            )
+        rows.append(row)
+    # the Trainer's closing row has a step but no training metrics
+    rows.append({"step": n, "train_runtime": 1.5, "train_loss": 0.0, "total_flos": 0.0})
+    return rows
+
+
+def png_size(path):
+    """(width, height) of a PNG file, refusing anything else."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC, "not a PNG file"
+    width = int.from_bytes(data[16:20], "big")
+    height = int.from_bytes(data[20:24], "big")
+    return width, height

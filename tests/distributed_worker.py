@@ -10,7 +10,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from opefo_trl import OPEFOConfig, OPEFOTrainer
-from opefo_trl.tiny import keep_rms_norm_in_model_dtype
+from opefo_trl.testing import keep_rms_norm_in_model_dtype
 
 MICRO_BATCH_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "num_items_in_batch")
 

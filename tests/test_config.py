@@ -69,19 +69,63 @@ def test_off_policy_opt_in_and_off_policy_baselines():
     assert config(method="clip_cov", num_iterations=2).num_iterations == 2
 
 
-def test_kl_cov_warns_that_it_is_inert_on_policy():
-    from opefo_trl.methods import KLCov
-
+def test_kl_cov_warns_when_the_config_is_built_that_it_is_inert_on_policy():
     with pytest.warns(UserWarning, match="inert"):
-        KLCov.from_config(config(method="kl_cov"))
+        config(method="kl_cov")
     with pytest.warns(UserWarning, match="no PPO clipping"):
-        KLCov.from_config(config(method="kl_cov", gradient_accumulation_steps=1, steps_per_generation=8))
-    eight_updates = config(
-        method="kl_cov", gradient_accumulation_steps=1, steps_per_generation=8, epsilon=1e9, epsilon_high=1e9
-    )
+        config(method="kl_cov", gradient_accumulation_steps=1, steps_per_generation=8)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        KLCov.from_config(eight_updates)
+        config(method="kl_cov", gradient_accumulation_steps=1, steps_per_generation=8, epsilon=1e9, epsilon_high=1e9)
+
+
+def test_a_built_in_method_is_one_class_and_its_registration():
+    import dataclasses
+
+    from opefo_trl.methods import BUILTIN_METHODS, TOKEN_METHODS
+
+    assert [m.name for m in BUILTIN_METHODS] == ["grpo", "opefo", "par", "clip_cov", "kl_cov"]
+    assert all(TOKEN_METHODS[m.name] is m for m in BUILTIN_METHODS)
+    fields = {f.name: f for f in dataclasses.fields(OPEFOConfig)}
+    for method in BUILTIN_METHODS:  # its settings are options of OPEFOConfig, with their defaults and help
+        for f in dataclasses.fields(method.Settings):
+            assert fields[f.name].default == f.default and fields[f.name].metadata["help"] == f.metadata["help"]
+    assert config(method="par", par_coef=0.5).par_coef == 0.5
+
+
+def test_a_method_of_your_own_checks_the_config_it_is_given():
+    from dataclasses import dataclass
+
+    from trl import GRPOConfig
+
+    from opefo_trl.config import with_opefo_settings
+    from opefo_trl.methods import TOKEN_METHODS, TokenMethod, register_token_method, setting
+
+    @register_token_method("_test_needs_beta")
+    class NeedsBeta(TokenMethod):
+        @dataclass
+        class Settings:
+            needs_beta_scale: float = setting(1.0, "scale")
+
+        @classmethod
+        def check_config(cls, args):
+            if args.beta == 0:
+                raise ValueError("method='_test_needs_beta' needs a KL term: set beta > 0.")
+
+    @dataclass
+    class MyConfig(OPEFOConfig, NeedsBeta.Settings):
+        pass
+
+    try:
+        with pytest.raises(ValueError, match="needs a KL term"):
+            MyConfig(output_dir="unused", use_cpu=True, bf16=False, method="_test_needs_beta")
+        assert MyConfig(output_dir="unused", use_cpu=True, bf16=False, method="_test_needs_beta", beta=0.1).beta == 0.1
+        plain = GRPOConfig(output_dir="unused", use_cpu=True, bf16=False)
+        plain.method, plain.needs_beta_scale = "_test_needs_beta", 2.0
+        with pytest.raises(ValueError, match="needs a KL term"):  # also on a GRPOConfig given to OPEFOTrainer
+            with_opefo_settings(plain)
+    finally:
+        TOKEN_METHODS.pop("_test_needs_beta")
 
 
 def test_liger_kernel_is_accepted_since_trl_keeps_the_per_token_path():

@@ -1,4 +1,5 @@
-"""opefo_trl.data: the hub loaders run offline on local stand-in files with the hub data sets' columns."""
+"""opefo_trl.data: the hub loaders run offline on local stand-in files with the hub data sets' columns, and local
+data files by extension."""
 
 import json
 
@@ -11,11 +12,14 @@ from opefo_trl.data import (
     check_prompt_lengths,
     extract_boxed_answer,
     extract_gsm8k_answer,
+    is_local_data_file,
+    load_local_files,
     load_math_dataset,
+    local_file_builder,
     prompt_token_lengths,
     resolve_dataset_source,
 )
-from opefo_trl.templates import DAPO_USER_PROMPT, QWEN_MATH_SYSTEM_PROMPT, format_prompt
+from opefo_trl.prompts import DAPO_USER_PROMPT, QWEN_MATH_SYSTEM_PROMPT, format_prompt
 
 
 def _write_jsonl(path, rows):
@@ -321,3 +325,45 @@ def test_chat_problem_column_uses_last_user_turn_and_rejects_chats_without_one(t
     assert ds[0]["prompt"] == [{"role": "user", "content": "What is 5 - 2?"}]
     with pytest.raises(ValueError, match=r"Row 1 of the problem column 'messages' is neither text nor a chat"):
         load_math_dataset("local", data_files=[_write_jsonl(tmp_path / "bad.jsonl", [good, bad])], **options)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Local data files
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_local_files_load_by_extension(tmp_path, write_jsonl):
+    import datasets
+
+    jsonl = write_jsonl(tmp_path / "a.jsonl", [{"q": "1+1?", "a": "2"}])
+    json_file = write_jsonl(tmp_path / "b.json", [{"q": "2+2?", "a": "4"}])
+    parquet = tmp_path / "c.parquet"
+    datasets.Dataset.from_list([{"q": "3+3?", "a": "6"}]).to_parquet(str(parquet))
+    csv = tmp_path / "d.CSV"
+    csv.write_text("q,a\n4+4?,8\n")
+    assert [local_file_builder(p) for p in (jsonl, json_file, parquet, csv)] == ["json", "json", "parquet", "csv"]
+    both = load_local_files([jsonl, json_file], split="test")
+    assert both["q"] == ["1+1?", "2+2?"] and both.split == "test"
+    assert load_local_files(parquet)["a"] == ["6"]
+    assert load_local_files(str(csv))["a"] == [8]
+    assert is_local_data_file("x/y.JSONL") and not is_local_data_file("HuggingFaceH4/MATH-500")
+
+
+def test_local_file_errors(tmp_path, write_jsonl):
+    txt = tmp_path / "a.txt"
+    txt.write_text("1+1?\n")
+    with pytest.raises(ValueError, match=r"unsupported extension '.txt'; use one of .json, .jsonl, .parquet, .csv"):
+        local_file_builder([str(txt)])
+    with pytest.raises(FileNotFoundError, match=r"Data file '/no/file.jsonl' does not exist"):
+        load_local_files("/no/file.jsonl")
+    with pytest.raises(ValueError, match="data_files is empty"):
+        local_file_builder([])
+    csv = tmp_path / "b.csv"
+    csv.write_text("q,a\n")
+    with pytest.raises(ValueError, match=r"one format, got a mix of \['csv', 'json'\]"):
+        local_file_builder([write_jsonl(tmp_path / "a.jsonl", [{"q": "1+1?", "a": "2"}]), str(csv)])
+    # An empty file (or only blank lines), which `datasets` fails on with a bare StopIteration.
+    for content in ("", "\n  \n"):
+        (tmp_path / "empty.jsonl").write_text(content)
+        with pytest.raises(ValueError, match=r"Data file '.*empty.jsonl' is empty; give a file with at least one row"):
+            load_local_files(str(tmp_path / "empty.jsonl"))

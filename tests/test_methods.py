@@ -1,6 +1,7 @@
 import dataclasses
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from opefo_trl.methods import (
     TokenTerms,
     build_token_method,
     covariance_scores,
+    methods_table,
     register_token_method,
     setting,
 )
@@ -379,3 +381,53 @@ def test_regime_guard_stays_quiet_in_the_paper_regime():
 def test_invalid_settings_are_rejected(factory, match):
     with pytest.raises((ValueError, TypeError), match=match):
         factory()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The methods table: one source (the method classes), one copy (the README)
+# ----------------------------------------------------------------------------------------------------------------------
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+TABLE_START, TABLE_END = "<!-- methods table:", "<!-- end of methods table -->"
+
+
+def test_the_methods_table_lists_every_registered_method_first_the_default():
+    table = methods_table()
+    rows = table.splitlines()[2:]
+    assert rows[0].startswith("| OPEFO (default) |")
+    for name in TOKEN_METHODS:  # every method has a row that selects it by name
+        assert f'`method="{name}"`' in table, name
+    assert "`clip_cov_ratio=0.0002`, `clip_cov_lb=1`, `clip_cov_ub=5`" in table  # the settings' own defaults
+
+    @register_token_method("_test_unlisted")
+    class Unlisted(TokenMethod):  # no rows of its own: one naming it, never GRPO's inherited ones
+        @dataclass
+        class Settings:
+            unlisted_strength: float = setting(0.5, "strength")
+
+    try:
+        rows = methods_table([Unlisted]).splitlines()[2:]
+        assert rows == ['| Unlisted | `method="_test_unlisted"` (`unlisted_strength=0.5`) |']
+        assert '`method="_test_unlisted"`' in methods_table()
+    finally:
+        TOKEN_METHODS.pop("_test_unlisted")
+
+
+def test_the_readme_holds_the_methods_table_of_the_method_classes():
+    text = README.read_text()
+    start = text.index("\n", text.index(TABLE_START)) + 1
+    copy = text[start : text.index(TABLE_END)].strip()
+    assert copy == methods_table(), (
+        "README.md's methods table differs from the method classes' rows: replace it with the output of "
+        f"`python -m opefo_trl.methods`:\n{methods_table()}"
+    )
+
+
+def test_the_flag_of_earlier_releases_is_refused_rather_than_ignored():
+    with pytest.raises(TypeError, match=r"on_policy_only is no longer read: refuse off-policy configurations in"):
+
+        @register_token_method("_test_old_flag")
+        class OldFlag(TokenMethod):
+            on_policy_only = True
+
+    assert "_test_old_flag" not in TOKEN_METHODS

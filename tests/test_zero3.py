@@ -161,7 +161,7 @@ def test_full_estimate_under_zero3_gathers_the_lm_head(tmp_path):
     """The `full` estimate re-projects hidden states through the LM head, which ZeRO-3 shards to size 0 outside its
     module's forward: the vocabulary pass must gather it, and the two ranks must still agree on lambda*."""
     pytest.importorskip("deepspeed")
-    from opefo_trl.tiny import build_tiny_model
+    from opefo_trl.testing import build_tiny_model
 
     # 4096 x 64 head: above ZeRO-3's persistence threshold (1e5 elements), so it really is partitioned.
     tiny_model_path = build_tiny_model(tmp_path / "model", vocab_size=4096)

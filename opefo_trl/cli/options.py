@@ -1,4 +1,5 @@
-"""Option parsing shared by ``opefo-train`` and ``opefo-eval``: one behaviour for recipes, flags and bad input.
+"""Option parsing shared by ``opefo-train``, ``opefo-eval`` and ``opefo-plot``: one behaviour for recipes, flags and
+bad input.
 
 Options are the fields of dataclasses, parsed by TRL's ``TrlParser`` (`--flag value` with the field's name, TRL's
 snake_case; ``--config recipe.yaml`` sets them from a YAML mapping, the command line overrides it). On top of TRL:
@@ -9,7 +10,8 @@ snake_case; ``--config recipe.yaml`` sets them from a YAML mapping, the command 
   option names, before any dataclass is built (so before, e.g., transformers' "Your setup doesn't support bf16/gpu"
   for a GPU recipe parsed on a CPU machine);
 - a recipe value of the wrong type (``max_steps: 2.5``, ``num_generations: [2]``), which argparse does not convert
-  and the dataclasses do not check, is reported with its key and a corrected example (:func:`check_recipe_values`).
+  and the dataclasses do not check, is reported with its key and a corrected example (:func:`check_recipe_values`);
+- values given without a flag can belong to one list option (``positional``: ``opefo-plot RUN... --output x.png``).
 
 transformers' parser also accepts each ``--snake_case`` flag spelt ``--kebab-case``; ``--help`` lists both.
 
@@ -261,8 +263,55 @@ def check_recipe_values(parser, recipe_values: dict, recipe: str | None) -> None
         raise ValueError(f"Recipe {recipe!r}: " + "; ".join(problems) + ".")
 
 
-def parse_options(parser, argv: Sequence[str] | None = None) -> tuple:
+def _positional_values_as_option(parser, argv: list[str], name: str) -> list[str]:
+    """``argv`` with the values that follow no flag moved behind ``--name`` (a list option). A flag keeps its own
+    values: a list option every value up to the next flag, an optional value (a boolean's true / false) when it
+    converts, any other option one."""
+
+    def converts(action, value: str) -> bool:
+        try:
+            (action.type or str)(value)
+        except Exception:  # what argparse would refuse as this option's value
+            return False
+        return True
+
+    flags = parser._option_string_actions
+    kept: list[str] = []
+    positional: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg, i = argv[i], i + 1
+        if not arg.startswith("-") or arg == "-":
+            positional.append(arg)
+            continue
+        kept.append(arg)
+        action = flags.get(arg)  # None for `--flag=value` (its value is in it) and for unknown flags
+        if action is None:
+            continue
+        if action.nargs in ("+", "*"):
+            while i < len(argv) and not argv[i].startswith("-"):
+                kept.append(argv[i])
+                i += 1
+        elif action.nargs == "?":
+            if i < len(argv) and not argv[i].startswith("-") and converts(action, argv[i]):
+                kept.append(argv[i])
+                i += 1
+        elif action.nargs is None or isinstance(action.nargs, int):
+            count = 1 if action.nargs is None else action.nargs
+            kept += argv[i : i + count]
+            i += count
+    if not positional:
+        return kept
+    option = flags[f"--{name}"]
+    if any(arg.split("=", 1)[0] in option.option_strings for arg in kept):
+        raise ValueError(f"{name} given both as arguments ({' '.join(positional)}) and with --{name}; give them once.")
+    return [f"--{name}", *positional, *kept]
+
+
+def parse_options(parser, argv: Sequence[str] | None = None, *, positional: str | None = None) -> tuple:
     """Parse a recipe plus command-line flags into one instance per dataclass of ``parser`` (:func:`build_parser`).
+
+    ``positional`` names a list option that also takes the values given without a flag (``opefo-plot``'s runs).
 
     Raises:
         ValueError: an unknown or misspelt recipe key or flag (with the closest option names), a recipe that is not
@@ -272,6 +321,8 @@ def parse_options(parser, argv: Sequence[str] | None = None) -> tuple:
     import yaml
 
     argv = _normalise_config_flag(list(sys.argv[1:] if argv is None else argv))
+    if positional is not None:
+        argv = _positional_values_as_option(parser, argv, positional)
     recipe = _recipe_path(argv)
     try:
         recipe_values = None

@@ -7,39 +7,59 @@ Usage:
 Each RUN is a run's output_dir (its trainer_state.json, else the metrics.jsonl opefo-train writes, else its latest
 checkpoint-*), a checkpoint folder or the file itself. Runs are labelled by folder name; ``--group`` draws seeds of
 one setting (``opefo-seed0``, ``opefo-seed1``) as their mean +- std.
+
+Options are parsed as ``opefo-train`` and ``opefo-eval`` parse theirs (``opefo_trl.cli.options``): every field of
+:class:`PlotOptions` is a flag, ``--config plot.yaml`` reads them from a YAML file, an unknown or misspelt option is an
+error naming the closest ones, and the runs may also be given with ``--runs``. Bad input is reported as
+``opefo-plot: error: ...`` with exit status 2.
 """
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-from opefo_trl.plotting import RunNotFoundError, load_runs, plot_runs
+from opefo_trl.cli.options import INPUT_ERRORS, build_parser, parse_options, report_error
+
+PROG = "opefo-plot"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="opefo-plot",
+@dataclass
+class PlotOptions:
+    """Options of ``opefo-plot`` (the runs also as arguments without a flag: ``opefo-plot RUN... --output x.png``).
+
+    Example:
+        >>> PlotOptions(runs=["runs/grpo"], output="curves.png").smoothing
+        0.0
+    """
+
+    runs: list[str] = field(
+        metadata={"help": "Runs to draw: run dirs, checkpoint dirs, trainer_state.json or metrics.jsonl files."}
+    )
+    output: str = field(metadata={"aliases": ["-o"], "help": "PNG file to write."})
+    title: str | None = field(default=None, metadata={"help": "Figure title."})
+    smoothing: float = field(
+        default=0.0, metadata={"help": "Exponential moving-average weight in [0, 1); 0 draws the raw values."}
+    )
+    group: bool = field(
+        default=False,
+        metadata={
+            "help": "Draw runs whose labels differ only by a trailing seed suffix (opefo-seed0, opefo-seed1, or "
+            "opefo_0, opefo_1) as one mean +- std line."
+        },
+    )
+
+
+def make_parser():
+    """The parser over `PlotOptions`: see `opefo_trl.cli.options`."""
+    return build_parser(
+        [PlotOptions],
+        prog=PROG,
         description="Plot token entropy, reward, OPEFO's lambda* and the entropy flows from trainer_state.json or "
-        "metrics.jsonl files.",
-        allow_abbrev=False,  # as opefo-train and opefo-eval: `--smooth` is an error, not `--smoothing`
+        "metrics.jsonl files. The runs can be given first, without --runs: opefo-plot RUN... --output curves.png.",
     )
-    parser.add_argument(
-        "runs", nargs="+", metavar="RUN", help="run dir, checkpoint dir, trainer_state.json or metrics.jsonl"
-    )
-    parser.add_argument("--output", "-o", required=True, help="PNG file to write")
-    parser.add_argument("--title", default=None, help="figure title")
-    parser.add_argument(
-        "--smoothing", type=float, default=0.0, help="exponential moving-average weight in [0, 1) (default 0: raw)"
-    )
-    parser.add_argument(
-        "--group",
-        action="store_true",
-        help="draw runs whose labels differ only by a trailing seed suffix (opefo-seed0, opefo-seed1, or opefo_0, "
-        "opefo_1) as one mean +- std line",
-    )
-    return parser
 
 
 _SEED_SUFFIX = re.compile(r"[-_.]?seed[-_]?\d+$")
@@ -62,15 +82,17 @@ def seed_group(label: str) -> str:
     return label
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse options, draw the runs, print what was drawn; return the exit status (2 for bad input)."""
+    from opefo_trl.plotting import load_runs, plot_runs
+
     try:
-        runs = load_runs(args.runs)
-        groups = {run.label: seed_group(run.label) for run in runs} if args.group else None
-        result = plot_runs(runs, args.output, groups=groups, smoothing=args.smoothing, title=args.title)
-    except (RunNotFoundError, ValueError) as err:
-        print(f"opefo-plot: error: {err}", file=sys.stderr)
-        return 2
+        (options,) = parse_options(make_parser(), argv, positional="runs")
+        runs = load_runs(options.runs)
+        groups = {run.label: seed_group(run.label) for run in runs} if options.group else None
+        result = plot_runs(runs, options.output, groups=groups, smoothing=options.smoothing, title=options.title)
+    except INPUT_ERRORS as err:  # RunNotFoundError is a FileNotFoundError
+        return report_error(PROG, err)
     for run in runs:
         print(f"{run.label}: {run.state_path}")
     if result.missing:

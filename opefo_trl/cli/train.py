@@ -27,7 +27,6 @@ Examples:
 """
 
 import importlib
-import json
 import logging
 import os
 import sys
@@ -37,7 +36,6 @@ from typing import Literal
 
 from opefo_trl.checks import RewardFunctionError
 from opefo_trl.cli.options import INPUT_ERRORS, build_parser, parse_options, report_error
-from opefo_trl.runs import METRICS_FILE, METRICS_FILE_PER_RANK
 
 logger = logging.getLogger("opefo_trl.cli.train")  # not __name__: "__main__" under `python -m`
 
@@ -105,7 +103,7 @@ class TrainScriptArguments:
     )
     prompt_template: str = field(
         default="qwen_math_boxed",
-        metadata={"help": "Prompt template of opefo_trl.templates: 'qwen_math_boxed', 'dapo' or 'plain'."},
+        metadata={"help": "Prompt template of opefo_trl.prompts: 'qwen_math_boxed', 'dapo' or 'plain'."},
     )
     reward_funcs: list[str] = field(
         default_factory=lambda: [DEFAULT_REWARD],
@@ -243,9 +241,9 @@ def resolve_reward_funcs(names: Sequence[str]) -> list[Callable]:
 def validate_args(script_args, training_args, model_args) -> None:
     """Cross-option checks that need no model weights (TRL / OPEFOConfig check their own fields on construction)."""
     from opefo_trl.checks import check_training_values
-    from opefo_trl.data import resolve_dataset_source
-    from opefo_trl.model_io import check_model_name_or_path, local_file_builder
-    from opefo_trl.templates import get_template
+    from opefo_trl.data import local_file_builder, resolve_dataset_source
+    from opefo_trl.model_files import check_model_name_or_path
+    from opefo_trl.prompts import get_template
 
     if not model_args.model_name_or_path:
         raise ValueError("model_name_or_path is not set: give a hub id or a local model directory.")
@@ -330,7 +328,7 @@ def validate_output_dir(script_args, training_args) -> None:
 
 def context_length_for(script_args, training_args, model_args) -> int:
     """The context prompts must fit: `context_length`, else the model's max_position_embeddings; capped by vLLM's."""
-    from opefo_trl.model_io import model_context_length
+    from opefo_trl.model_files import model_context_length
 
     context = model_context_length(
         model_args.model_name_or_path,
@@ -383,48 +381,6 @@ def build_train_dataset(script_args, training_args, model_args, tokenizer):
     return dataset
 
 
-def metrics_jsonl_callback(mode: str, output_dir: str):
-    """A `TrainerCallback` that appends each logged metrics dict (with its step) as a JSON line; None when off."""
-    from transformers import TrainerCallback
-
-    if mode == "off":
-        return None
-
-    class MetricsJsonlCallback(TrainerCallback):
-        def _path(self, args, state) -> str | None:
-            if mode == "main_process" and not state.is_world_process_zero:
-                return None
-            name = METRICS_FILE if mode == "main_process" else METRICS_FILE_PER_RANK.format(rank=args.process_index)
-            return os.path.join(output_dir, name)
-
-        trimmed = False
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            # Resuming from an older checkpoint replays the steps after it: drop their earlier lines once, when
-            # global_step holds the checkpoint's step (Trainer restores it after on_train_begin).
-            if self.trimmed:
-                return
-            self.trimmed = True
-            path = self._path(args, state)
-            if path is None or not os.path.exists(path):
-                return
-            with open(path) as f:
-                lines = [line for line in f if line.strip()]
-            kept = [line for line in lines if json.loads(line).get("step", 0) <= state.global_step]
-            with open(path, "w") as f:
-                f.writelines(kept)
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            path = self._path(args, state)
-            if path is None:
-                return
-            os.makedirs(output_dir, exist_ok=True)
-            with open(path, "a") as f:
-                f.write(json.dumps({"step": state.global_step, **(logs or {})}, default=float) + "\n")
-
-    return MetricsJsonlCallback()
-
-
 def prepare_inputs(script_args, training_args, model_args) -> tuple:
     """The checked training data and the reward functions: the last input checks, made before any weights load."""
     from transformers import AutoTokenizer
@@ -450,6 +406,7 @@ def train(script_args, training_args, model_args, train_dataset=None, reward_fun
     from packaging.version import Version
     from trl import get_peft_config, get_quantization_config
 
+    from opefo_trl.callbacks import MetricsJsonlCallback
     from opefo_trl.trainer import OPEFOTrainer
 
     if train_dataset is None or reward_funcs is None:
@@ -463,14 +420,15 @@ def train(script_args, training_args, model_args, train_dataset=None, reward_fun
     )
     model_init_kwargs.update(training_args.model_init_kwargs or {})
     training_args.model_init_kwargs = model_init_kwargs
-    callback = metrics_jsonl_callback(script_args.metrics_jsonl, training_args.output_dir)
+    metrics_file = script_args.metrics_jsonl != "off"
+    callbacks = [MetricsJsonlCallback(training_args.output_dir, script_args.metrics_jsonl)] if metrics_file else None
 
     trainer = OPEFOTrainer(
         model=model_args.model_name_or_path,
         reward_funcs=reward_funcs,
         args=training_args,
         train_dataset=train_dataset,
-        callbacks=[callback] if callback is not None else None,
+        callbacks=callbacks,
         quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
     )

@@ -5,7 +5,7 @@ Runs offline, with nothing downloaded. For each floating-point setting (``--nume
 settings that change only the rounding stand in for another machine; one that needs environment variables read at
 start-up, such as ``MKL_CBWR``, runs in a process of its own):
 
-1. builds a tiny Qwen2-shaped model with the arithmetic tokenizer of ``opefo_trl.tiny`` and warm-starts it with
+1. builds a tiny Qwen2-shaped model with the arithmetic tokenizer of ``opefo_trl.testing`` and warm-starts it with
    supervised steps on the task's training targets, so that the RL start policy is partly right and spreads its
    probability over many right answers (cached in ``OUTPUT_DIR/models/warm_start-<task>-<numerics>``);
 2. trains each method for each seed from those weights with ``OPEFOTrainer`` (TRL's GRPO code path), identical

@@ -21,7 +21,7 @@ token entropy still falls:
   digits on both sides of the mean.
 
 Generation should stop after ``num_digits`` tokens (``max_completion_length = num_digits``: every digit is one token
-of the arithmetic tokenizer of ``opefo_trl.tiny``), so the model never has to count digits to end its answer.
+of the arithmetic tokenizer of ``opefo_trl.testing``), so the model never has to count digits to end its answer.
 
 Example:
     >>> from opefo_trl.demo.digit_sum import build_digit_sum_dataset, digit_sum_reward
@@ -39,7 +39,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from opefo_trl.model_io import completion_to_text
+from opefo_trl.prompts import completion_to_text
 
 PROMPT_TEMPLATE = "Write {num_digits} digits that add up to {target}"
 DEFAULT_NUM_DIGITS = 24

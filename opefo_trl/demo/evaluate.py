@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from opefo_trl.demo.tasks import DemoTask
-from opefo_trl.model_io import render_prompts
-from opefo_trl.pass_at_k import mean_pass_at_k
+from opefo_trl.eval.pass_at_k import mean_pass_at_k
+from opefo_trl.prompts import render_prompts
 
 
 @dataclass

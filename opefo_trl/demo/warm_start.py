@@ -8,7 +8,7 @@ import time
 
 from opefo_trl.demo.settings import DemoSettings
 from opefo_trl.demo.tasks import TASKS
-from opefo_trl.model_io import render_prompts
+from opefo_trl.prompts import render_prompts
 
 WARM_START_MARKER = "demo_warm_start.json"
 _WARM_START_KEYS = (
@@ -28,7 +28,7 @@ def warm_start(output_dir: str, settings: DemoSettings, numerics: str, log=print
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from opefo_trl.tiny import build_tiny_model
+    from opefo_trl.testing import build_tiny_model
 
     task = TASKS[settings.task]
     path = os.path.join(output_dir, "models", f"warm_start-{task.name}-{numerics}")

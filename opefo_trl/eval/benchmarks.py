@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..model_io import LOCAL_FILE_BUILDERS, is_local_data_file, load_local_files, render_prompts
-from ..templates import format_prompt
+from ..data import LOCAL_FILE_BUILDERS, is_local_data_file, load_local_files
+from ..prompts import format_prompt, render_prompts
 
 if TYPE_CHECKING:
     from .config import EvaluationConfig

@@ -6,8 +6,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from ..pass_at_k import avg_at_n, majority_vote, mean_pass_at_k
 from .benchmarks import Problem
+from .pass_at_k import avg_at_n, majority_vote, mean_pass_at_k
 
 logger = logging.getLogger(__name__)
 

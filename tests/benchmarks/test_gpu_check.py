@@ -190,7 +190,7 @@ def test_precision_settings_refuse_unknown_modes_and_ragged_groups():
 def test_chain_task_is_reproducible_and_walks_only_along_its_transitions():
     import torch
 
-    from opefo_trl.tiny import build_tiny_tokenizer
+    from opefo_trl.testing import build_tiny_tokenizer
 
     precision = _load("precision")
     tokenizer = build_tiny_tokenizer()

@@ -6,7 +6,7 @@ import torch
 
 from opefo_trl.demo import HeldOutResult, evaluate_held_out
 from opefo_trl.demo.tasks import TASKS
-from opefo_trl.pass_at_k import pass_at_k
+from opefo_trl.eval.pass_at_k import pass_at_k
 
 
 class ScriptedModel(torch.nn.Module):

@@ -101,7 +101,7 @@ def test_prompts_are_rendered_as_training_renders_them(tiny_model_path, bench_fi
     from transformers import AutoTokenizer
 
     from opefo_trl.data import prompt_token_lengths
-    from opefo_trl.templates import format_prompt
+    from opefo_trl.prompts import format_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     (bench,) = resolve_benchmarks(EvaluationConfig(model_name_or_path="m", benchmarks=[bench_file]))

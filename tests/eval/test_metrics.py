@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from opefo_trl.eval import Problem, average_over_benchmarks, compute_benchmark_metrics, score_problem
-from opefo_trl.pass_at_k import pass_at_k
+from opefo_trl.eval.pass_at_k import pass_at_k
 from opefo_trl.rewards import extract_answer
 
 

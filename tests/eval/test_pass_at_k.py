@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from opefo_trl.pass_at_k import avg_at_n, majority_vote, mean_pass_at_k, pass_at_k
+from opefo_trl.eval.pass_at_k import avg_at_n, majority_vote, mean_pass_at_k, pass_at_k
 
 
 def _brute_force_pass_at_k(n, c, k):
@@ -72,7 +72,7 @@ def test_majority_vote():
 
 
 def test_fractional_counts_are_rejected_not_truncated():
-    from opefo_trl.pass_at_k import mean_pass_at_k, pass_at_k
+    from opefo_trl.eval.pass_at_k import mean_pass_at_k, pass_at_k
 
     with pytest.raises(ValueError, match="whole number"):
         pass_at_k(4.9, 1, 4)

@@ -1,0 +1,162 @@
+"""A model given by name, checked before anything loads: its path, its weight files and its context length.
+
+Shared by ``opefo-train``, ``opefo-eval`` and the demo:
+
+- Model paths: :func:`check_model_name_or_path` refuses a model that is neither a local model directory nor a valid
+  hub id.
+- Weight files: :func:`weight_fingerprints` identifies the weights in a directory by content (``opefo-eval``
+  refuses samples drawn from other weights).
+- Context length: :func:`model_context_length`, the number of tokens prompt + completion must fit (the model
+  config's ``max_position_embeddings``, capped by vLLM's ``max_model_len`` when vLLM generates).
+
+Example:
+    >>> model_context_length(None, context_length=4096, max_model_len=2048)
+    2048
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from typing import Any
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Model paths
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def looks_like_local_path(name: str) -> bool:
+    """Whether a model name can only be a local path: absolute, relative (``./``, ``~``) or nested below ``a/b``.
+
+    >>> looks_like_local_path("runs/opefo/checkpoint-50"), looks_like_local_path("Qwen/Qwen2.5-Math-7B")
+    (True, False)
+    """
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.sep == "\\" and "\\" in name
+
+
+def check_model_name_or_path(name: str) -> None:
+    """Refuse, without loading anything, a model that is neither a local model directory nor a valid hub id.
+
+    >>> check_model_name_or_path("./no-such-model")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    FileNotFoundError: Model path './no-such-model' does not exist. Give a local model directory or a hub id ...
+    """
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"Model directory {name!r} has no config.json; give a saved model's directory.")
+        return
+    if os.path.exists(path):
+        raise ValueError(f"Model path {name!r} is a file; give the model's directory.")
+    if looks_like_local_path(name):
+        raise FileNotFoundError(
+            f"Model path {name!r} does not exist. Give a local model directory or a hub id such as "
+            "'Qwen/Qwen2.5-Math-7B'."
+        )
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError as err:
+        raise ValueError(f"Model {name!r} is neither a local directory nor a valid hub id ({err})") from None
+
+
+_WEIGHT_FILE_RE = re.compile(r"(\.safetensors|^(pytorch_model|adapter_model)(-\d+-of-\d+)?\.bin)$")
+_BLOCK = 4096
+
+
+def _safetensors_digest(f, digest) -> None:
+    """Header, then the first, middle and last 4 KiB of every tensor: any trained tensor changes them."""
+    header_size = int.from_bytes(f.read(8), "little")
+    header = f.read(header_size)
+    digest.update(header)
+    tensors = json.loads(header)
+    start = 8 + header_size
+    offsets = sorted(t["data_offsets"] for name, t in tensors.items() if name != "__metadata__")
+    for begin, end in ((start + b, start + e) for b, e in offsets):
+        for offset in sorted({begin, max(begin, (begin + end) // 2 - _BLOCK // 2), max(begin, end - _BLOCK)}):
+            f.seek(offset)
+            digest.update(f.read(min(_BLOCK, end - offset)))
+
+
+def weight_file_fingerprint(path: str | os.PathLike) -> str:
+    """A content fingerprint of a weight file read in small pieces (no mtime: a copy keeps it, training changes it).
+
+    safetensors: the header and three 4 KiB blocks of every tensor; other files: 64 blocks of 64 KiB spread over
+    the file. Both with the file size. Training moves every trainable tensor, hence its sampled blocks.
+    """
+    size = os.path.getsize(path)
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        if os.fspath(path).endswith(".safetensors"):
+            try:
+                _safetensors_digest(f, digest)
+                return digest.hexdigest()[:32]
+            except (ValueError, KeyError, TypeError):  # not a readable header: fingerprint it as bytes
+                digest = hashlib.sha256(str(size).encode())
+        block = 1 << 16
+        for offset in sorted({min(i * size // 64, max(0, size - block)) for i in range(64)}):
+            f.seek(offset)
+            digest.update(f.read(block))
+    return digest.hexdigest()[:32]
+
+
+def weight_fingerprints(directory: str | os.PathLike) -> dict[str, str]:
+    """``{file name: weight_file_fingerprint}`` of the weight files of a model or adapter directory.
+
+    >>> weight_fingerprints("/no/such/model")
+    {}
+    """
+    if not os.path.isdir(directory):
+        return {}
+    return {
+        name: weight_file_fingerprint(os.path.join(directory, name))
+        for name in sorted(os.listdir(directory))
+        if _WEIGHT_FILE_RE.search(name) and os.path.isfile(os.path.join(directory, name))
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Context length
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def model_context_length(
+    model: Any,
+    *,
+    context_length: int | None = None,
+    max_model_len: int | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+) -> int | None:
+    """The tokens prompt + completion must fit; ``None`` when nothing says.
+
+    Args:
+        model: A model path or hub id (its config is read, no weights), or a loaded `PretrainedConfig`.
+        context_length: The context when the caller knows it (e.g. ``--context_length``): the config is not read.
+        max_model_len: vLLM's ``max_model_len`` when vLLM generates: the context is capped by it.
+        revision, trust_remote_code: Passed to ``AutoConfig.from_pretrained``.
+
+    The model's own context is ``max_position_embeddings`` of its text config (multimodal configs nest it).
+
+    Example:
+        >>> from transformers import Qwen2Config
+        >>> model_context_length(Qwen2Config(max_position_embeddings=4096)), model_context_length(None)
+        (4096, None)
+        >>> model_context_length(Qwen2Config(max_position_embeddings=4096), max_model_len=2048)
+        2048
+    """
+    if context_length is None and model is not None:
+        from transformers import AutoConfig, PretrainedConfig
+
+        config = model
+        if not isinstance(config, PretrainedConfig):
+            config = AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
+        value = getattr(config.get_text_config(), "max_position_embeddings", None)
+        context_length = value if isinstance(value, int) and value > 0 else None
+    if max_model_len is not None:
+        context_length = max_model_len if context_length is None else min(context_length, max_model_len)
+    return context_length
