@@ -110,7 +110,8 @@ class OPEFOConfig(GRPOConfig, EntropyFlowSettings, *BUILTIN_METHOD_SETTINGS):  #
         "entropies the entropy-flow statistics (and the loss) are computed from are not rounded to bf16. Measured on "
         "a peaked model with Qwen's 151,936-token vocabulary, bf16 logits moved lambda* by up to 5.8e-4 per 4,096 "
         "tokens (the paper's lambda* is ~1e-3); with the float32 head under bf16 autocast, at most 1.3e-4 "
-        "(benchmarks/README.md). No effect on float32 training. Set False for GRPOConfig's default.",
+        "(benchmarks/README.md). No effect on float32 training; a float64 model keeps its float64 head (the option is "
+        "set False for it). Set False for GRPOConfig's default.",
     )
     allow_off_policy: bool = setting(
         False,

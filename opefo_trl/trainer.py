@@ -45,6 +45,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import warnings
@@ -57,11 +58,17 @@ from ._compat import check_trl_version
 
 check_trl_version()
 
+from accelerate.utils import is_peft_model  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.models.utils import disable_gradient_checkpointing  # noqa: E402
-from trl.trainer.utils import get_config_model_id, is_async_callable, maybe_gather_lm_head_ctx  # noqa: E402
+from trl.trainer.utils import (  # noqa: E402
+    add_fused_lm_head,
+    get_config_model_id,
+    is_async_callable,
+    maybe_gather_lm_head_ctx,
+)
 
 from .checks import RewardCheck, check_training_values  # noqa: E402
 from .config import OPEFOConfig, check_estimate_backend, with_opefo_settings  # noqa: E402
@@ -84,6 +91,7 @@ ROLLOUT_STATS = ("opefo_logps", "opefo_entropies", "opefo_sum_sq_probs", "opefo_
 UNIT_FLOW, FACTOR, ADVANTAGES = "opefo_unit_flow", "opefo_factor", "opefo_advantages"
 #: The per-token entropies an audited step's batch had before the update, and the precision they were scored in.
 AUDIT_ENTROPIES, AUDIT_FULL_PRECISION = "opefo_audit_entropies", "opefo_audit_full_precision"
+TRL_FUSED_HEAD_OUTPUTS = ("log_probs", "entropy")  # what GRPOTrainer (TRL 1.16) adds its fused head with
 MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "token_type_ids")
 
 
@@ -121,6 +129,15 @@ class Scores:
     def as_rollout_stats(self) -> dict[str, torch.Tensor]:
         values = (self.logps, self.entropies, self.sum_sq_probs, self.sum_sq_probs_log_probs)
         return {key: value.detach() for key, value in zip(ROLLOUT_STATS, values, strict=True) if value is not None}
+
+
+def _has_float64_head(model, args) -> bool:
+    """Whether the policy's LM head is (or will be loaded in) float64."""
+    if isinstance(model, str):
+        dtype = (getattr(args, "model_init_kwargs", None) or {}).get("dtype")
+        return str(dtype).removeprefix("torch.") == "float64"
+    head = model.get_output_embeddings()
+    return head is not None and head.weight.dtype == torch.float64
 
 
 class _AroundOptimizerStep(TrainerCallback):
@@ -180,7 +197,22 @@ class OPEFOTrainer(GRPOTrainer):
         self._param_flow: ParamFlow | None = None  # the `param` estimate of the step being audited (grad Hbar)
         self._audit_before: dict[str, float] = {}  # figures taken just before the audited optimizer step
         self._warned_imprecise = False
-        super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        # TRL's cast_lm_head_to_fp32 would round a float64 head down to float32, and TRL 1.16 cannot cast a PEFT
+        # model's tied head (it looks the embeddings up as `model.model.embed_tokens`): the first keeps its float64
+        # head, the second is cast here on the base model.
+        wants_cast = args.cast_lm_head_to_fp32
+        if _has_float64_head(model, args):
+            args.cast_lm_head_to_fp32 = wants_cast = False
+        bound = inspect.signature(GRPOTrainer.__init__).bind(self, model, reward_funcs, args, *pargs, **kwargs)
+        given_peft = not isinstance(model, str) and is_peft_model(model)
+        cast_peft_head = wants_cast and (bound.arguments.get("peft_config") is not None or given_peft)
+        args.cast_lm_head_to_fp32 = wants_cast and not cast_peft_head
+        try:
+            super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        finally:
+            args.cast_lm_head_to_fp32 = wants_cast
+        if cast_peft_head:
+            self._cast_peft_lm_head_to_fp32()
         self._refuse_unsupported_setup()
         self.add_callback(_AroundOptimizerStep(self))
 
@@ -205,6 +237,33 @@ class OPEFOTrainer(GRPOTrainer):
 
     def _torch_optimizer(self):
         return getattr(self.optimizer, "optimizer", self.optimizer)  # inside accelerate's AcceleratedOptimizer
+
+    def _cast_peft_lm_head_to_fp32(self) -> None:
+        """`cast_lm_head_to_fp32` for a PEFT model: its base model's head in float32 and the fused head re-added with
+        the cast. TRL 1.16 looks the tied input embeddings up as `model.model.embed_tokens`, which a PEFT model lacks
+        (an AttributeError on e.g. Qwen2.5-0.5B + LoRA), so the trainer was built without the cast and it is done here,
+        as TRL does it for a plain model."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        base = self._core_model()
+        head = base.get_output_embeddings()
+        if isinstance(head, BaseTunerLayer):
+            raise ValueError(
+                "cast_lm_head_to_fp32=True (OPEFOConfig's default) cannot cast an LM head that carries a PEFT adapter "
+                "(`target_modules` includes `lm_head`). Remove `lm_head` from the adapter's target modules, or set "
+                "cast_lm_head_to_fp32=False (the entropy-flow statistics are then computed from half-precision logits)."
+            )
+        original_dtype = head.weight.dtype
+        head.float()
+        if base.config.get_text_config().tie_word_embeddings and original_dtype != torch.float32:
+            # The tied embedding weights are float32 now too; the embeddings' outputs stay in the model's dtype.
+            base.get_input_embeddings().register_forward_hook(lambda module, inputs, output: output.to(original_dtype))
+        # Generation's (unfused) head runs in float32 outside autocast as well, as TRL's cast makes it.
+        head.forward = lambda hidden: torch.nn.functional.linear(
+            hidden.float(), head.weight.float(), None if head.bias is None else head.bias.float()
+        )
+        del base.forward  # the fused head TRL added without the cast (an attribute of the instance)
+        add_fused_lm_head(base, temperature=self.temperature, cast_lm_head_to_fp32=True, outputs=TRL_FUSED_HEAD_OUTPUTS)
 
     def _refuse_unsupported_setup(self) -> None:
         """What the configuration alone could not tell (accelerate's launch config, the weights' dtype)."""

@@ -141,6 +141,35 @@ def test_opefo_trains_with_lora(train, tmp_path, overrides):
         assert all(torch.equal(after[n].detach(), value) for n, value in frozen.items())
 
 
+@pytest.mark.parametrize("cast", [True, False])
+def test_lora_on_a_tied_bf16_model_scores_with_the_float32_head_it_asks_for(
+    tiny_model_path, tiny_dataset, length_reward, tmp_path, cast
+):
+    """TRL 1.16 raises an AttributeError casting a PEFT model's tied head; the trainer casts it on the base model, and
+    the fused head then gives the log-probs of float32 logits of the same hidden states (bf16 logits when not asked)."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16)
+    assert model.config.tie_word_embeddings
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    args = make_config(tmp_path, cast_lm_head_to_fp32=cast)
+    trainer = make_trainer(model, tiny_dataset, length_reward, args, peft_config=peft_config)
+    assert trainer.args.cast_lm_head_to_fp32 is cast
+    core = trainer._core_model()
+    assert core.lm_head.weight.dtype == (torch.float32 if cast else torch.bfloat16)
+    input_ids = torch.randint(0, core.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    assert core.get_input_embeddings()(input_ids).dtype == torch.bfloat16  # the backbone still runs in bf16
+    with torch.no_grad():
+        hidden = core.model(input_ids=input_ids).last_hidden_state[:, :-1]
+        exact = torch.log_softmax(hidden.double() @ core.lm_head.weight.double().T, dim=-1)
+        exact = exact.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+        fused = core(input_ids=input_ids, labels=input_ids, fused_lm_head=True).log_probs.double()
+    error = (fused - exact).abs().max().item()
+    # float32 logits: ~1e-6 of |logit| ~ 1; bf16 logits: 2^-8 relative rounding, ~1e-3 here
+    assert error < 1e-5 if cast else error > 1e-4
+
+
 def _parameters_after_one_step(train, args, trainer_class):
     from transformers import set_seed
 
@@ -742,6 +771,7 @@ def test_the_step_balance_zeroes_the_first_order_change_of_the_real_adamw_step(
             args=args,
             train_dataset=tiny_dataset,
         )
+        assert trainer.model.lm_head.weight.dtype == torch.float64  # not rounded by cast_lm_head_to_fp32
         trainer.train()
         runs[method] = trainer
     grpo_measured = logged(runs["grpo"], "entropy_flow/measured_delta")
