@@ -660,7 +660,9 @@ class OPEFOTrainer(GRPOTrainer):
         if self._weights_deferred:
             assert unit is not None  # computed above for the deferred weights
             batch = TokenBatch(logps_detached, entropies, original, factor, original * unit, old_logps)
-            advantages = advantages * self.token_method.rollout_weights(batch, self._reduce_sum)
+            weights = self.token_method.rollout_weights(batch, self._reduce_sum)
+            if weights is not None:  # None: unweighted, as in _prepare_rollout
+                advantages = advantages * weights
             self._weights_deferred = False
         batch = TokenBatch(
             logps_detached, entropies, advantages, factor, None if unit is None else advantages * unit, old_logps
