@@ -127,6 +127,7 @@ class RewardCheck:
 
     def _result(self, name: str, rewards: Any, raised: Exception | None) -> Any:
         """The rewards if they are fine; else zeros, keeping the first failure."""
+        failure: RewardFunctionError | None
         if raised is not None:
             failure = RewardFunctionError(
                 f"Reward function {name!r} raised {type(raised).__name__}: {raised}{_where(raised)}. Fix the "

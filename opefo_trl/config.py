@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import cast
 
 from ._compat import check_trl_version
 
@@ -227,7 +228,7 @@ def _refuse_settings_of_other_methods(args, method_class) -> None:
                 )
 
 
-def with_opefo_settings(args: GRPOConfig) -> GRPOConfig:
+def with_opefo_settings(args: GRPOConfig) -> OPEFOConfig:
     """Give a plain `GRPOConfig` (or a user's subclass) the OPEFO options, in place, and validate them.
 
     The object keeps its class, its identity and its own extra fields, as `GRPOTrainer` keeps the config it is
@@ -245,7 +246,8 @@ def with_opefo_settings(args: GRPOConfig) -> GRPOConfig:
             if not hasattr(args, f.name):
                 setattr(args, f.name, _default(f))
         validate_opefo_settings(args)
-    return args
+    # Typed as an OPEFOConfig: it now has every attribute of one, whatever its class.
+    return cast(OPEFOConfig, args)
 
 
 __all__ = [

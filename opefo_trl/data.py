@@ -389,9 +389,9 @@ def resolve_dataset_source(
             unwrap_dapo_instruction=preset.unwrap_dapo_instruction,
             description=preset.description,
         )
-    given = (("problem_column", problem_column), ("answer_column", answer_column))
-    missing = [option for option, value in given if not value]
-    if missing:
+    if not (problem_column and answer_column):
+        given = (("problem_column", problem_column), ("answer_column", answer_column))
+        missing = [option for option, value in given if not value]
         raise ValueError(
             f"Data set {name!r} is not a preset ({', '.join(DATASET_PRESETS)}), so its columns must be given: set "
             f"{' and '.join(f'`{m}`' for m in missing)}."

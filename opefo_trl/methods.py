@@ -285,6 +285,13 @@ def covariance_scores(batch: TokenBatch) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def _flow(batch: TokenBatch) -> torch.Tensor:
+    """The batch's entropy flow d_t, which OPEFO needs."""
+    if batch.flow is None:
+        raise ValueError("OPEFO needs the batch's entropy flow (TokenBatch.flow).")
+    return batch.flow
+
+
 @register_token_method("opefo")
 class OPEFO(TokenMethod):
     """On-Policy Entropy Flow Optimization: rescale S+ / S- by 1 +/- lambda* so the batch's net entropy flow is 0.
@@ -340,6 +347,7 @@ class OPEFO(TokenMethod):
             if not self.opefo_lambda_warn > 0:
                 raise ValueError(f"opefo_lambda_warn must be > 0; got {self.opefo_lambda_warn}.")
 
+    settings: Settings
     needs_rollout_pass = True
     table_rows = (
         (
@@ -419,12 +427,11 @@ class OPEFO(TokenMethod):
         return self.settings.opefo_balance == "step"
 
     def weight_signs(self, batch: TokenBatch) -> torch.Tensor:
-        return weight_signs(batch.flow, self.settings.opefo_sides)
+        return weight_signs(_flow(batch), self.settings.opefo_sides)
 
     def rollout_weights(self, batch: TokenBatch, reduce_sum: ReduceSum = _identity) -> torch.Tensor:
-        if batch.flow is None:
-            raise ValueError("OPEFO needs the batch's entropy flow (TokenBatch.flow).")
-        stats = FlowStats.from_tensor(reduce_sum(flow_stats(batch.flow, batch.factor).to_tensor()))
+        flow = _flow(batch)
+        stats = FlowStats.from_tensor(reduce_sum(flow_stats(flow, batch.factor).to_tensor()))
         self._warn_if_one_sided(stats)
         metrics = {"opefo/lambda": float(stats.lambda_star)}
         if self.settings.opefo_lambda is not None:
@@ -446,8 +453,8 @@ class OPEFO(TokenMethod):
                 )
         else:
             lam = float(stats.lambda_star)
-        weights = token_weights(batch.flow, lam, self.settings.opefo_sides)
-        weighted = FlowStats.from_tensor(reduce_sum(flow_stats(batch.flow * weights, batch.factor).to_tensor()))
+        weights = token_weights(flow, lam, self.settings.opefo_sides)
+        weighted = FlowStats.from_tensor(reduce_sum(flow_stats(flow * weights, batch.factor).to_tensor()))
         self._recent_lambdas.append(abs(float(stats.lambda_star)))
         in_loss = batch.in_loss.double()
         entropy = reduce_sum(torch.stack([(batch.entropies.double() * in_loss).sum(), in_loss.sum()]))
@@ -559,12 +566,13 @@ class PAR(TokenMethod):
             if not self.par_coef_step > 0:
                 raise ValueError(f"par_coef_step must be > 0; got {self.par_coef_step}.")
 
+    settings: Settings
     table_rows = (("PAR", '`method="par"` (entropy-guided coefficient, state saved in checkpoints) or `par_coef=c`'),)
 
     def __init__(self, settings: Settings | None = None, **values) -> None:
         super().__init__(settings, **values)
         self.adaptive = self.settings.par_coef is None
-        self.coef = self.settings.par_coef_init if self.adaptive else self.settings.par_coef
+        self.coef = self.settings.par_coef_init if self.settings.par_coef is None else self.settings.par_coef
         self._entropy_sums: torch.Tensor | None = None  # this step's sum of H over tokens in the loss, and count
 
     def micro_batch_terms(self, batch, logps, reduce_sum=_identity) -> TokenTerms:
@@ -629,6 +637,7 @@ class ClipCov(TokenMethod):
             if not self.clip_cov_lb < self.clip_cov_ub:
                 raise ValueError(f"clip_cov_lb must be < clip_cov_ub; got {self.clip_cov_lb} >= {self.clip_cov_ub}.")
 
+    settings: Settings
     table_rows = (("Clip-Cov", '`method="clip_cov"` ({defaults})'),)
 
     def __init__(
@@ -700,6 +709,7 @@ class KLCov(TokenMethod):
             if self.kl_cov_coef < 0:
                 raise ValueError(f"kl_cov_coef must be >= 0; got {self.kl_cov_coef}.")
 
+    settings: Settings
     table_rows = (("KL-Cov", '`method="kl_cov"` ({defaults}; inert on-policy, warned)'),)
 
     @classmethod

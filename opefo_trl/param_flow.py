@@ -48,7 +48,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -189,6 +189,7 @@ def optimizer_update(optimizer: torch.optim.Optimizer | None, group: dict | None
     g = grad.to(dtype)
     if optimizer is None:
         return -g
+    assert group is not None, "an optimizer's update needs p's parameter group"
     lr = float(group["lr"])
     if "betas" not in group:
         return g.mul(-lr)
@@ -227,7 +228,10 @@ def first_order_change(optimizer, params: Sequence[torch.Tensor], entropy_grad, 
 @torch.no_grad()
 def adam_preconditioner(optimizer: torch.optim.Optimizer | None, group: dict | None, p, grad) -> torch.Tensor | None:
     """D = 1 / (sqrt(v_hat) + eps) of the next Adam step with gradient ``grad`` (None for plain SGD: D = 1)."""
-    if optimizer is None or "betas" not in group:
+    if optimizer is None:
+        return None
+    assert group is not None, "an optimizer's preconditioner needs p's parameter group"
+    if "betas" not in group:
         return None
     state = optimizer.state.get(p) or {}
     beta2, eps = group["betas"][1], group["eps"]
@@ -340,7 +344,7 @@ def solve_step_balance(
         if (f(end) > 0) != (f0 > 0) or seen[end] == 0.0:
             xb, fb = end, seen[end]
             break
-    if xb is None:
+    if xb is None or fb is None:  # (set together)
         return result(False)
     tolerance, side = rtol * abs(f0), 0
     while fb != 0.0 and len(seen) < max_evaluations and abs(xb - xa) > 1e-12:
@@ -380,7 +384,7 @@ class ParamFlow:
     entropies: list[torch.Tensor]
     coefficients: list[torch.Tensor]
     entropy_grad: list[torch.Tensor]
-    loss_grad: list[torch.Tensor]
+    loss_grad: list[torch.Tensor] | None  # None once the trainer no longer needs it (its memory freed)
     check_error: float
     lambda_error: float
     lambda_star: float
@@ -436,7 +440,7 @@ class ParamFlowEstimator:
     def estimate(self, batches: Sequence[Any], masks: Sequence[torch.Tensor], coefficients: CoefficientFn) -> ParamFlow:
         """u_t of every micro-batch; ``masks`` select the tokens Hbar averages (the loss tokens), ``coefficients``
         gives the unweighted loss's c_t from the scoring pass's detached log pi_t and H_t."""
-        tokens = max(self._sum(sum(mask.sum() for mask in masks)), 1.0)
+        tokens = max(self._sum(cast(torch.Tensor, sum(mask.sum() for mask in masks))), 1.0)  # masks: never empty
         entropy_grad, loss_grad = self._zeros(), self._zeros()
         logps_list, entropies_list, coefficient_list = [], [], []
         with torch.enable_grad():
@@ -490,6 +494,7 @@ class ParamFlowEstimator:
                 best = (lam_error, check, lam, step, alignment)
             if passed:
                 break
+        assert best is not None  # relative_steps is never empty
         flow.lambda_error, flow.check_error, flow.lambda_star, flow.step_size, alignment = best
         flow.alignment = [u.float() for u in alignment]
         return flow

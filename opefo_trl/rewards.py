@@ -94,7 +94,7 @@ class FailureCounter:
         >>> before = VERIFICATION_FAILURES.count  # grows whenever a completion could not be verified
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self.count = 0
         self.last_error: str | None = None

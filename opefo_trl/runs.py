@@ -25,6 +25,8 @@ import re
 import shutil
 import struct
 import zipfile
+from collections.abc import Sized
+from typing import cast
 
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -238,12 +240,13 @@ class EpochSeededSampler(torch.utils.data.Sampler):
     def __init__(self, sampler: torch.utils.data.Sampler):
         self.sampler = sampler
         generator = getattr(sampler, "generator", None) if getattr(sampler, "shuffle", True) else None
-        self._seed = None if generator is None else generator.initial_seed()
+        self._generator: torch.Generator | None = generator
+        self._seed = 0 if generator is None else generator.initial_seed()  # read only with a generator
 
     def set_epoch(self, epoch: int) -> None:
-        if self._seed is None:
+        if self._generator is None:
             return
-        self.sampler.generator.manual_seed(self._seed)
+        self._generator.manual_seed(self._seed)
         for _ in range(epoch):
             for _ in self.sampler:  # one epoch's draws, whatever the wrapped sampler draws per epoch
                 pass
@@ -252,4 +255,4 @@ class EpochSeededSampler(torch.utils.data.Sampler):
         return iter(self.sampler)
 
     def __len__(self) -> int:
-        return len(self.sampler)
+        return len(cast(Sized, self.sampler))  # TypeError for a sampler without a length, as Trainer expects

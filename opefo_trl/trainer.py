@@ -51,6 +51,7 @@ import os
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -171,6 +172,8 @@ class OPEFOTrainer(GRPOTrainer):
 
     _tag_names = ["trl", "grpo", "opefo"]
     _name = "OPEFO"
+    #: An `OPEFOConfig`, or a `GRPOConfig` given every OPEFO option by `with_opefo_settings`.
+    args: OPEFOConfig
 
     def __init__(self, model, reward_funcs=None, args: OPEFOConfig | GRPOConfig | None = None, *pargs, **kwargs):
         if args is None:  # the output_dir GRPOTrainer (TRL 1.16) defaults to, so that swapping the class moves nothing
@@ -311,8 +314,10 @@ class OPEFOTrainer(GRPOTrainer):
         if self.loss_type == "bnpo":
             return one / (mask.sum().clamp(min=1.0) * accumulation)
         if self.loss_type == "dr_grpo":
+            assert self.max_completion_length is not None, "loss_type='dr_grpo' normalises by max_completion_length"
             return one / (batch_size * self.max_completion_length * accumulation)
         if self.loss_type in ("cispo", "dapo", "vespo"):
+            assert self.args.steps_per_generation is not None  # GRPOConfig.__post_init__ fills it
             normaliser = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             return one / (normaliser * accumulation / self.args.steps_per_generation)
         if self.loss_type == "luspo":
@@ -376,7 +381,8 @@ class OPEFOTrainer(GRPOTrainer):
             hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
             self._hidden_chunks.append(hidden.detach())
 
-        self._hidden_chunks = chunks = []
+        chunks: list[torch.Tensor] = []
+        self._hidden_chunks = chunks
         handle = self._core_model().base_model.register_forward_hook(keep)
         try:
             yield chunks
@@ -427,21 +433,25 @@ class OPEFOTrainer(GRPOTrainer):
           re-enables autocast inside `model.forward`, so the forward it wraps is called.
         """
         input_ids, attention_mask, length = _sequence(batch)
+        kwargs = self.args.gradient_checkpointing_kwargs
+        assert not isinstance(kwargs, str)  # TrainingArguments.__post_init__ parses a JSON string into a dict
         if full_precision:
             model = self.accelerator.unwrap_model(self.model)
             forward = getattr(model, "_original_forward", model.forward)
             labels = input_ids.masked_fill(attention_mask == 0, -100)
             labels[:, :-length] = -100  # only the completion is scored, as in TRL
             # torch.autograd.grad works through non-reentrant checkpointing (transformers 5's default), not reentrant.
-            kwargs = self.args.gradient_checkpointing_kwargs
             keep_checkpointing = torch.is_grad_enabled() and not (kwargs or {}).get("use_reentrant")
-            checkpointing = nullcontext() if keep_checkpointing else disable_gradient_checkpointing(self.model, kwargs)
+            # TRL annotates the model as a PreTrainedModel; a PEFT-wrapped one works the same.
+            checkpointing = (
+                nullcontext() if keep_checkpointing else disable_gradient_checkpointing(self.model, kwargs)  # type: ignore[arg-type]
+            )
             with checkpointing, torch.autocast(input_ids.device.type, enabled=False):
                 output = forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
             return Scores(output.log_probs[:, -length:], output.entropy[:, -length:])
         with (
             torch.no_grad(),
-            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
+            disable_gradient_checkpointing(self.model, kwargs),  # type: ignore[arg-type]  # as above
             self._capture_hidden_states(vocab and self._needs_vocab_stats(False)) as chunks,
         ):
             logps, entropies, _ = GRPOTrainer._get_per_token_logps_and_entropies(
@@ -498,6 +508,7 @@ class OPEFOTrainer(GRPOTrainer):
 
     def _trl_scores_rollout(self) -> bool:
         """Whether GRPOTrainer (1.16) runs its no-grad old-log-prob pass over the rollout (mirrors its condition)."""
+        assert self.args.steps_per_generation is not None  # GRPOConfig.__post_init__ fills it
         generate_every = self.args.steps_per_generation * self.num_iterations
         vllm_correction = self.use_vllm and self.vllm_importance_sampling_correction
         return self.args.gradient_accumulation_steps % generate_every != 0 or vllm_correction
@@ -582,17 +593,22 @@ class OPEFOTrainer(GRPOTrainer):
                     old_logps=batch.get("old_per_token_logps"),
                 )
             )
-        whole = TokenBatch(
-            **{
-                f.name: torch.cat([getattr(b, f.name) for b in token_batches])
-                for f in dataclasses.fields(TokenBatch)
-                if isinstance(getattr(token_batches[0], f.name), torch.Tensor)
-            }
-        )
+        tensors: dict[str, Any] = {
+            f.name: torch.cat([getattr(b, f.name) for b in token_batches])
+            for f in dataclasses.fields(TokenBatch)
+            if isinstance(getattr(token_batches[0], f.name), torch.Tensor)
+        }
+        whole = TokenBatch(**tensors)
         sizes = [len(b.logps) for b in token_batches]
         if estimator is not None and self.token_method.needs_step_model:
-            signs = self.token_method.weight_signs(whole).split(sizes)
-            signed = [s * c for s, c in zip(signs, param_flow.coefficients, strict=True)]
+            assert param_flow is not None  # estimated with the estimator
+            signs = self.token_method.weight_signs(whole)
+            if signs is None:
+                raise TypeError(
+                    f"{type(self.token_method).__name__}.needs_step_model is True, so its weight_signs(batch) must "
+                    "return the s_t of its weights 1 + lambda * s_t, not None."
+                )
+            signed = [s * c for s, c in zip(signs.split(sizes), param_flow.coefficients, strict=True)]
             whole.step_change = self._identical_on_every_rank(
                 estimator.step_model(param_flow, estimator.signed_gradient(batches, signed)).change
             )
@@ -684,6 +700,7 @@ class OPEFOTrainer(GRPOTrainer):
 
     def _apply_token_method(self, logps: torch.Tensor, entropies: torch.Tensor, vocab) -> None:
         inputs = self._loss_inputs
+        assert inputs is not None  # called from the loss forward only
         logps_detached, entropies = logps.detach(), entropies.detach()
         original = inputs.get(ADVANTAGES)
         if original is None:
@@ -700,8 +717,11 @@ class OPEFOTrainer(GRPOTrainer):
         advantages = _per_token(inputs["advantages"], logps_detached)
         old_logps = inputs.get("old_per_token_logps")
         if self._weights_deferred:
+            assert unit is not None  # computed above for the deferred weights
             batch = TokenBatch(logps_detached, entropies, original, factor, original * unit, old_logps)
-            advantages = advantages * self.token_method.rollout_weights(batch, self._reduce_sum)
+            weights = self.token_method.rollout_weights(batch, self._reduce_sum)
+            if weights is not None:  # None: unweighted, as in _prepare_rollout
+                advantages = advantages * weights
             self._weights_deferred = False
         batch = TokenBatch(
             logps_detached, entropies, advantages, factor, None if unit is None else advantages * unit, old_logps
@@ -762,10 +782,11 @@ class OPEFOTrainer(GRPOTrainer):
         sums = self._reduce_sum(sums)
         metrics = {"entropy_flow/measured_delta": float(sums[0] / sums[1].clamp(min=1))}
         if self._audit_before:
+            assert self._param_flow is not None  # _before_optimizer_step filled _audit_before from it
             params = self._trainable_parameters()
-            after = inner(self._param_flow.entropy_grad, params)
+            projection = inner(self._param_flow.entropy_grad, params)
             metrics["entropy_flow/predicted_delta"] = self._audit_before["entropy_flow/predicted_delta"]
-            metrics["entropy_flow/step_first_order"] = after - self._audit_before["parameter_projection"]
+            metrics["entropy_flow/step_first_order"] = projection - self._audit_before["parameter_projection"]
         self._log_metrics(metrics)
         self._param_flow, self._step_batches, self._audit_before = None, [], {}
 

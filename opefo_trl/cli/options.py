@@ -60,7 +60,13 @@ def build_parser(
     """A ``TrlParser`` over ``dataclass_types`` that refuses abbreviations and lists ``--config`` in ``--help``."""
     from trl import TrlParser
 
-    parser = TrlParser(list(dataclass_types), prog=prog, description=description, epilog=epilog, allow_abbrev=False)
+    parser = TrlParser(
+        list(dataclass_types),  # type: ignore[arg-type]  # TRL's DataClassType: a NewType no plain class matches
+        prog=prog,
+        description=description,
+        epilog=epilog,
+        allow_abbrev=False,
+    )
     # Listed for --help only: TrlParser takes `--config PATH` out of the arguments before parsing them.
     parser.add_argument(
         CONFIG_FLAG,

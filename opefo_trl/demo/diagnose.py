@@ -33,11 +33,15 @@ import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from opefo_trl.demo.runner import ENVIRONMENT, needs_own_process, run_dir
 from opefo_trl.demo.settings import NUMERICS, NUMERICS_VARIABLES, DemoMethod, DemoSettings, demo_methods
 from opefo_trl.demo.training import FINGERPRINT_METRICS, train_one
 from opefo_trl.demo.warm_start import warm_start
+
+if TYPE_CHECKING:
+    from opefo_trl.trainer import OPEFOTrainer
 
 TOKEN_CLASSES = ("digit", "end", "other")
 STEPS_FILE = "diagnostic_steps.json"
@@ -49,7 +53,7 @@ def token_classes(tokens: Sequence[str], end_token: str) -> list[str]:
     return ["end" if text == end_token else "digit" if _DIGIT_TOKEN.fullmatch(text) else "other" for text in tokens]
 
 
-def diagnostic_trainer_class():
+def diagnostic_trainer_class() -> type[OPEFOTrainer]:
     """``OPEFOTrainer`` with the parameter-space reference on every rollout batch: one record per step, written to
     ``<output_dir>/STEPS_FILE`` when training ends."""
     import torch
@@ -109,7 +113,7 @@ def diagnostic_trainer_class():
             in_loss = factor > 0
             gross = float((factor * exact.abs()).sum())
             disagree = in_loss & (tabular * exact < 0)
-            record = {
+            record: dict[str, Any] = {
                 "lambda_tabular": float(flow_stats(tabular, factor).lambda_star),
                 "lambda_param": float(flow_stats(exact, factor).lambda_star),
                 "param_net_unweighted": float((factor * exact).sum()),
@@ -153,6 +157,7 @@ def diagnostic_trainer_class():
                     continue
                 beta1, step = group["betas"][0], float(state["step"]) + 1
                 d = adam_preconditioner(optimizer, group, p, p.grad)
+                assert d is not None  # an Adam group
                 update = state["exp_avg"].to(d.dtype).mul(d).mul_(-group["lr"] * beta1 / (1 - beta1**step))
                 momentum += inner([h], [update])
             record["predicted_momentum"] = momentum
@@ -218,6 +223,7 @@ def diagnose(settings: DemoSettings, log=print) -> list[Diagnosis]:
     import torch
 
     method = check_diagnosable(settings)
+    assert settings.seeds is not None  # DemoSettings.__post_init__ fills the settings left at None
     numerics = settings.numerics[0]
     previous = torch.get_num_threads()
     torch.set_num_threads(NUMERICS[numerics].threads)

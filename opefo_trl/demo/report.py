@@ -57,10 +57,10 @@ class Spread:
 
     @classmethod
     def of(cls, values: Sequence[float | None]) -> Spread:
-        values = [v for v in values if v is not None]
-        if not values:
+        present = [v for v in values if v is not None]
+        if not present:
             return cls(None, None, 0)
-        return cls(statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None, len(values))
+        return cls(statistics.fmean(present), statistics.stdev(present) if len(present) > 1 else None, len(present))
 
     def format(self, fmt: str) -> str:
         if self.mean is None:
@@ -113,7 +113,7 @@ class MethodSummary:
             failures=failures,
             all_runs={n: Spread.of([f.get(n) for f in figures]) for n in names},
             non_failed={n: Spread.of([f.get(n) for f in kept]) for n in names},
-            values={n: [f[n] for f in kept if f.get(n) is not None] for n in names},
+            values={n: [v for f in kept if (v := f.get(n)) is not None] for n in names},
         )
 
 

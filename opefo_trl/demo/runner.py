@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import subprocess
@@ -30,6 +31,8 @@ ENVIRONMENT = {
 
 #: Each setting's runs and warm-start evaluation, in ``runs/<numerics>/`` (read back when it ran in its own process).
 RESULTS_FILE = "results.json"
+#: The arguments of one ``train_one`` call: method, seed, numerics, model_path, run_dir, settings.
+TrainJob = tuple[DemoMethod, int, str, str, str, DemoSettings]
 
 
 def run_dir(output_dir: str, numerics: str, method: str, seed: int) -> str:
@@ -61,6 +64,7 @@ def run_demo(output_dir: str, settings: DemoSettings, log=print) -> dict[str, st
     needs environment variables this process was not started with, in a process of its own.
     """
     settings.validate()
+    assert settings.seeds is not None  # DemoSettings.__post_init__ fills the settings left at None
     methods = demo_methods(settings.entropy_coef)
     for name in settings.methods:
         build_config(methods[name], settings.seeds[0], os.path.join(output_dir, "runs", "_check"), settings)
@@ -94,6 +98,7 @@ def _evaluate_warm_start(model_path: str, settings: DemoSettings, log) -> HeldOu
 
     if not settings.pass_at_k_samples:
         return None
+    assert settings.max_completion_length is not None  # DemoSettings.__post_init__ fills the settings left at None
     task = TASKS[settings.task]
     result = evaluate_held_out(
         AutoModelForCausalLM.from_pretrained(model_path),
@@ -119,12 +124,13 @@ def _run_setting(
     """Warm start, every method x seed and the held-out evaluations under the setting ``name``, in this process."""
     import torch
 
+    assert settings.seeds is not None  # DemoSettings.__post_init__ fills the settings left at None
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(NUMERICS[name].threads)
     try:
         model_path = warm_start(output_dir, settings, name, log=log)
         warm = _evaluate_warm_start(model_path, settings, log)
-        jobs = [
+        jobs: list[TrainJob] = [
             (methods[method], seed, name, model_path, run_dir(output_dir, name, method, seed), settings)
             for seed in settings.seeds
             for method in settings.methods
@@ -156,7 +162,7 @@ def _run_setting(
     return results, warm
 
 
-def _train_all(jobs: list[tuple], workers: int, threads: int, log):
+def _train_all(jobs: list[TrainJob], workers: int, threads: int, log):
     """``train_one(*job)`` for every job, in order: here, or in ``workers`` processes side by side (spawned, each with
     ``threads`` torch threads; a run's numbers do not depend on the process it runs in)."""
     if workers == 1 or len(jobs) == 1:
@@ -188,6 +194,7 @@ def _start_worker(threads: int) -> None:
     torch.set_num_threads(threads)
     hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning)
+    assert isinstance(sys.stdout, io.TextIOWrapper)  # a spawned process's own stdout
     sys.stdout.reconfigure(line_buffering=True)
 
 
@@ -203,6 +210,7 @@ def _run_setting_in_own_process(
     )
     log(f"numerics {name}: in a process of its own, started with {variables}")
     process = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert process.stdout is not None  # stdout=PIPE
     for line in process.stdout:
         log(f"[{name}] {line.rstrip()}")
     if process.wait() != 0:
@@ -223,13 +231,14 @@ def plot_demo(
     task = TASKS[settings.task]
 
     def draw(path: str, chosen: list[RunResult], numerics: list[str]) -> None:
+        assert settings.seeds is not None  # DemoSettings.__post_init__ fills the settings left at None
         runs = load_runs([r.run_dir for r in chosen])
         groups = {run.label: r.method for run, r in zip(runs, chosen, strict=True)}
         curves: dict[str, list[dict[int, float]]] = {}
         for r in chosen:
             if r.held_out is not None:
                 curves.setdefault(r.method, []).append(_by_k(r.held_out))
-        warm = [_by_k(warm_starts[n]) for n in numerics if warm_starts.get(n) is not None]
+        warm = [_by_k(w) for n in numerics if (w := warm_starts.get(n)) is not None]
         plot_runs(
             runs,
             path,

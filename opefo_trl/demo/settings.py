@@ -200,6 +200,8 @@ class DemoSettings:
                 raise ValueError(f"No {name} given; e.g. --{name} {example}.")
             if len(set(values)) != len(values):
                 raise ValueError(f"--{name} has duplicates: {values}.")
+        # __post_init__ fills the settings left at None:
+        assert self.warm_start_steps is not None and self.prompts_per_step is not None
         positive = (
             "steps", "warm_start_batch_size", "prompts_per_step", "max_completion_length", "hidden_size",
             "num_layers", "workers",

@@ -9,6 +9,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
+from typing import TypedDict
 
 from opefo_trl.demo.evaluate import HeldOutResult, evaluate_held_out
 from opefo_trl.demo.settings import DemoMethod, DemoSettings
@@ -32,6 +33,7 @@ def build_config(method: DemoMethod, seed: int, run_dir: str, settings: DemoSett
     step audited (the measured entropy change of the update)."""
     from opefo_trl import OPEFOConfig
 
+    assert settings.prompts_per_step is not None  # DemoSettings.__post_init__ fills the settings left at None
     return OPEFOConfig(
         output_dir=run_dir,
         seed=seed,
@@ -128,8 +130,8 @@ def log_fingerprint(history: list[dict]) -> str:
 
 def _metric(history: list[dict], key: str, finite: bool = True) -> list[float]:
     """The logged values of ``key`` in step order; with ``finite=False`` NaN and inf are kept (a diverged run)."""
-    values = [row.get(key) for row in history if "step" in row]
-    values = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    logged = [row.get(key) for row in history if "step" in row]
+    values = [v for v in logged if isinstance(v, (int, float)) and not isinstance(v, bool)]
     return [v for v in values if math.isfinite(v)] if finite else values
 
 
@@ -141,7 +143,24 @@ def _mean_or_none(values: list[float]) -> float | None:
 FINAL_WINDOW = 5
 
 
-def summarize_history(history: list[dict]) -> dict[str, float]:
+class HistorySummary(TypedDict):
+    """What ``summarize_history`` takes from a run's log (fields of ``RunResult``)."""
+
+    entropy_start: float
+    entropy_final: float
+    entropy_min: float
+    reward_start: float
+    reward_final: float
+    lambda_mean: float
+    lambda_abs_mean: float
+    net_over_gross_mean: float
+    measured_delta_mean: float
+    measured_abs_delta_mean: float
+    predicted_delta_mean: float | None
+    step_first_order_mean: float | None
+
+
+def summarize_history(history: list[dict]) -> HistorySummary:
     """Start/final/min entropy, start/final reward, mean lambda* (and of |lambda*|, = mean |net| / gross), and the
     mean measured (signed and absolute) and predicted entropy change per step of one run's ``log_history``.
 
@@ -200,6 +219,8 @@ def train_one(
 
     from opefo_trl import OPEFOTrainer
 
+    # DemoSettings.__post_init__ fills the settings left at None:
+    assert settings.steps is not None and settings.max_completion_length is not None
     task = TASKS[settings.task]
     args = build_config(method, seed, run_dir, settings)
     label = f"{method.name} seed {seed}" + (f" {numerics}" if len(settings.numerics) > 1 else "")

@@ -30,6 +30,9 @@ def warm_start(output_dir: str, settings: DemoSettings, numerics: str, log=print
 
     from opefo_trl.testing import build_tiny_model
 
+    # DemoSettings.__post_init__ fills the settings left at None:
+    assert settings.hidden_size is not None and settings.num_layers is not None
+    assert settings.warm_start_steps is not None
     task = TASKS[settings.task]
     path = os.path.join(output_dir, "models", f"warm_start-{task.name}-{numerics}")
     marker = os.path.join(path, WARM_START_MARKER)

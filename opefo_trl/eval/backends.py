@@ -202,7 +202,7 @@ class TransformersBackend:
             except ImportError as err:
                 raise ImportError("Evaluating a LoRA adapter needs peft: `pip install 'opefo-trl[peft]'`.") from err
             model = PeftModel.from_pretrained(model, source.adapter_path).merge_and_unload()
-        model.to(device).eval()
+        model.to(device).eval()  # type: ignore[arg-type]  # transformers' @wraps(Module.to) drops the bound self
         return cls(model, tokenizer, config)
 
     def generate(self, jobs: Sequence[SampleJob]) -> list[GeneratedSample]:

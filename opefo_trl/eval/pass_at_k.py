@@ -75,16 +75,16 @@ def mean_pass_at_k(num_samples: Sequence[int], num_correct: Sequence[int], k: in
     Raises:
         ValueError: on mismatched lengths, no problems, or any problem with fewer than ``k`` samples.
     """
-    num_samples, num_correct = _as_counts(num_samples, num_correct)
-    return float(np.mean([pass_at_k(n, c, k) for n, c in zip(num_samples, num_correct, strict=True)]))
+    samples, correct = _as_counts(num_samples, num_correct)
+    return float(np.mean([pass_at_k(n, c, k) for n, c in zip(samples, correct, strict=True)]))
 
 
 def avg_at_n(num_samples: Sequence[int], num_correct: Sequence[int]) -> float:
     """Mean over problems of the fraction of correct samples (avg@n, an unbiased estimate of pass@1)."""
-    num_samples, num_correct = _as_counts(num_samples, num_correct)
-    for n, c in zip(num_samples, num_correct, strict=True):
+    samples, correct = _as_counts(num_samples, num_correct)
+    for n, c in zip(samples, correct, strict=True):
         _check_counts(int(n), int(c))
-    return float(np.mean(num_correct / num_samples))
+    return float(np.mean(correct / samples))
 
 
 def _as_counts(num_samples, num_correct) -> tuple[np.ndarray, np.ndarray]:

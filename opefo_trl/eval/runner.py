@@ -62,6 +62,7 @@ def evaluate(
         "markdown"}``.
     """
     benchmarks = resolve_benchmarks(config)
+    assert config.model_name_or_path is not None  # EvaluationConfig.__post_init__ requires it
     source = resolve_model_source(config.model_name_or_path, config.base_model_name_or_path)
     backend_name = "custom" if backend_factory is not None else select_backend(config.backend)
     problems_by_benchmark = {b.name: load_problems(b, config.max_problems) for b in benchmarks}
@@ -129,7 +130,7 @@ def _generate(jobs, store, source, config, backend_name, tokenizer, backend_fact
 
 
 def _summarise(config, benchmarks, problems_by_benchmark, store, backend_name) -> dict[str, Any]:
-    per_benchmark = {}
+    per_benchmark: dict[str, dict[str, Any]] = {}
     for benchmark in benchmarks:
         rows = []
         num_tokens, truncated, total = 0, 0, 0
