@@ -41,6 +41,11 @@ def check_training_values(args) -> None:
         problems.append(
             f"max_completion_length={args.max_completion_length}: completions need at least 1 token (e.g. 512)"
         )
+    if getattr(args, "loss_type", None) == "dr_grpo" and args.max_completion_length is None:
+        problems.append(
+            "loss_type='dr_grpo' with max_completion_length=None: Dr. GRPO divides each loss by the maximum completion "
+            "length, so set max_completion_length (e.g. 512) or choose another loss_type"
+        )
     if args.temperature <= 0:
         problems.append(
             f"temperature={args.temperature}: GRPO samples completions and scores their log-probabilities at this "

@@ -23,12 +23,14 @@ def _settings(**overrides):
         ({"learning_rate": -1.0}, "learning_rate=-1.0: the learning rate must be >= 0"),
         ({"max_completion_length": 0}, "max_completion_length=0: completions need at least 1 token"),
         ({"temperature": 0.0}, "temperature=0.0: GRPO samples completions"),
+        ({"loss_type": "dr_grpo", "max_completion_length": None}, "loss_type='dr_grpo' with max_completion_length="),
     ],
 )
 def test_values_that_fail_at_the_first_step_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
         check_training_values(_settings(**overrides))
     check_training_values(_settings(learning_rate=0.0, max_completion_length=1, temperature=0.1))  # the edges pass
+    check_training_values(_settings(loss_type="dapo", max_completion_length=None))
 
 
 @pytest.mark.parametrize(
