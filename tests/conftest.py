@@ -206,3 +206,54 @@ def png_size(path):
     width = int.from_bytes(data[16:20], "big")
     height = int.from_bytes(data[20:24], "big")
     return width, height
+
+
+# opefo_trl.eval tests: an option factory, a reader of samples.jsonl, and a guard on model loading.
+
+
+def _config(model, bench, out, **overrides):
+    from opefo_trl.eval import EvaluationConfig
+
+    settings = dict(
+        model_name_or_path=model,
+        benchmarks=[bench],
+        num_samples=3,
+        max_new_tokens=6,
+        batch_size=4,
+        output_dir=str(out),
+        backend="transformers",
+        dtype="float32",
+        progress=False,
+    )
+    settings.update(overrides)
+    return EvaluationConfig(**settings)
+
+
+def _read_samples(out):
+    with open(os.path.join(out, "samples.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    return {(r["benchmark"], r["problem_id"], r["sample_index"]): r["completion"] for r in records}, records
+
+
+@pytest.fixture(scope="session")
+def eval_config():
+    """``eval_config(model, bench, out, **overrides)``: a small CPU EvaluationConfig (3 samples of 6 tokens, fp32)."""
+    return _config
+
+
+@pytest.fixture(scope="session")
+def read_samples():
+    """``read_samples(out) -> ({(benchmark, problem, sample): completion}, records)`` from ``out/samples.jsonl``."""
+    return _read_samples
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Fail the test if the model would be loaded."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    from opefo_trl.eval import TransformersBackend
+
+    monkeypatch.setattr(TransformersBackend, "load", refuse)
