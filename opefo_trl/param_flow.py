@@ -402,6 +402,8 @@ class ParamFlowEstimator:
         reduce_sum: sums a tensor over data-parallel ranks (every rank then holds the same gradients and direction).
         optimizer: the torch Adam/AdamW whose next step D describes, or None for plain SGD (D = identity).
         max_grad_norm: the Trainer's gradient clipping, applied to the gradient D is built from.
+        score_dtype: the precision ``score`` computes in, which sets the finite-difference step sizes; by default the
+            parameters'. TRL's fused LM head computes log-probs and entropies in float32 even for float64 weights.
 
     Cost per rollout batch: a forward with two backwards per micro-batch (grad Hbar and a), two no-grad forwards
     per micro-batch per step size tried, and, for the step model, a forward with one backward (b). Extra memory:
@@ -409,7 +411,15 @@ class ParamFlowEstimator:
     then b), in their compute dtype.
     """
 
-    def __init__(self, params, score: ScoreFn, reduce_sum: ReduceSum = _identity, optimizer=None, max_grad_norm=None):
+    def __init__(
+        self,
+        params,
+        score: ScoreFn,
+        reduce_sum: ReduceSum = _identity,
+        optimizer=None,
+        max_grad_norm=None,
+        score_dtype: torch.dtype | None = None,
+    ):
         self.params = [p for p in params if p.requires_grad]
         self.score, self.reduce_sum = score, reduce_sum
         self.optimizer, self.max_grad_norm = optimizer, max_grad_norm
@@ -418,7 +428,9 @@ class ParamFlowEstimator:
             raise ValueError(
                 f"The `param` estimate differences float32 or float64 forwards; the parameters are {dtype}."
             )
-        self.relative_steps = FD_RELATIVE_STEPS[dtype]
+        # The steps of the coarser of the parameters' and the forward's precision.
+        precision = torch.float32 if torch.float32 in (dtype, score_dtype) else dtype
+        self.relative_steps = FD_RELATIVE_STEPS[precision]
 
     def _zeros(self) -> list[torch.Tensor]:
         return [torch.zeros_like(p, dtype=_compute_dtype(p)) for p in self.params]

@@ -650,6 +650,7 @@ class OPEFOTrainer(GRPOTrainer):
             self._reduce_sum,
             optimizer=self._torch_optimizer(),
             max_grad_norm=self.args.max_grad_norm,
+            score_dtype=torch.float32,  # TRL's fused head computes in float32, also for float64 weights
         )
 
         def coefficients(batch, logps, entropies):  # c_t = f_t A_t of the loss TRL will apply, unweighted

@@ -3,12 +3,14 @@ against what does not share their construction: autograd's per-token gradients, 
 SGD or torch AdamW step, the parameters that step really wrote, and a float64 reference of a float32 run."""
 
 import copy
+import warnings
 
 import pytest
 import torch
 
 from opefo_trl.entropy_flow import entropy_flow, flow_stats, token_weights, weight_signs
 from opefo_trl.param_flow import (
+    FD_RELATIVE_STEPS,
     ParamFlowEstimator,
     StepModel,
     check_optimizer,
@@ -330,3 +332,26 @@ def test_step_size_is_relative_to_the_parameters_and_a_zero_direction_is_refused
 def test_the_estimator_refuses_parameters_it_cannot_difference():
     with pytest.raises(ValueError, match=r"float32 or float64 forwards; the parameters are torch.bfloat16"):
         ParamFlowEstimator([torch.zeros(2, dtype=torch.bfloat16, requires_grad=True)], lambda batch: None)
+
+
+def test_a_float32_forward_of_float64_parameters_takes_float32_steps(network):
+    """TRL's fused head scores float64 weights in float32: with score_dtype=float32 the estimator takes float32's step
+    sizes; float64's steps would difference float32 rounding, and both checks see it."""
+
+    def float32_scorer(sequences):
+        logits = network(sequences).logits[:, PROMPT - 1 : -1].float()
+        logp = torch.log_softmax(logits, -1)
+        return logp.gather(-1, sequences[:, PROMPT:, None])[..., 0].double(), -(logp.exp() * logp).sum(-1).double()
+
+    sequences, advantages, factor = _rollout(network, seed=0)
+    mask = torch.ones_like(factor)
+    errors = {}
+    for score_dtype in (None, torch.float32):
+        estimator = ParamFlowEstimator(_params(network), float32_scorer, score_dtype=score_dtype)
+        assert estimator.relative_steps == FD_RELATIVE_STEPS[score_dtype or torch.float64]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            flow = estimator.estimate([sequences], [mask], lambda batch, logps, entropies: factor * advantages[:, None])
+        errors[score_dtype] = (flow.check_error, flow.lambda_error)
+    # float64's steps magnify float32 rounding (~1e-7 / 1e-7 of the step, relative): 40x and more here
+    assert all(e32 < e64 / 10 for e32, e64 in zip(errors[torch.float32], errors[None], strict=True)), errors
