@@ -40,8 +40,8 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from opefo_trl import OPEFOConfig, OPEFOTrainer  # noqa: E402
 from opefo_trl.cli.options import INPUT_ERRORS, build_parser, parse_options, report_error  # noqa: E402
+from opefo_trl.maths.vocab_stats import vocab_stats  # noqa: E402
 from opefo_trl.testing import build_tiny_model  # noqa: E402
-from opefo_trl.vocab_stats import vocab_stats  # noqa: E402
 
 
 class Configuration(NamedTuple):

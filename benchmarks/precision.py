@@ -15,10 +15,10 @@ distributions of a trained model it may. This measures it on the path the traine
 4. each precision mode (`MODES`): the model loaded by TRL's GRPOTrainer with that mode's dtype, bf16 and
    `cast_lm_head_to_fp32` (so TRL's own head casting and fused LM head are used), log pi_t and H_t from TRL's
    scoring pass (`GRPOTrainer._get_per_token_logps_and_entropies`, under the accelerator's autocast as in training),
-   sum pi^2 and sum pi^2 log pi from `opefo_trl.vocab_stats.vocab_stats` on the backbone's hidden states with the
+   sum pi^2 and sum pi^2 log pi from `opefo_trl.maths.vocab_stats.vocab_stats` on the backbone's hidden states with the
    compute dtype OPEFOTrainer picks for them (fp32 with `cast_lm_head_to_fp32`, else the autocast dtype, else the
    hidden states' dtype);
-5. for each estimate (`opefo`, `full`): the flows d_t = A_t u_t (`opefo_trl.entropy_flow.entropy_flow`), P, N
+5. for each estimate (`opefo`, `full`): the flows d_t = A_t u_t (`opefo_trl.maths.entropy_flow.entropy_flow`), P, N
    (`flow_stats`) and lambda* of each mode against the reference, their errors, and the per-token sign agreement of
    d_t; the same on disjoint blocks of the rollout (does the error shrink with more tokens?);
 6. through OPEFOTrainer itself (its logged metrics, every `entropy_flow/*` and `opefo/*` one): the `param`
@@ -428,8 +428,8 @@ def mode_statistics(settings: PrecisionSettings, path: str, rollout: Rollout, mo
     """(B, T) statistics of `rollout` as a training run in precision `mode` computes them (see the module doc)."""
     from trl import GRPOConfig, GRPOTrainer
 
-    from opefo_trl.config import OPEFOConfig
-    from opefo_trl.vocab_stats import vocab_stats
+    from opefo_trl.maths.vocab_stats import vocab_stats
+    from opefo_trl.trainer.config import OPEFOConfig
 
     spec = MODES[mode]
     with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
@@ -505,7 +505,7 @@ def mode_statistics(settings: PrecisionSettings, path: str, rollout: Rollout, mo
 
 
 def _flow_figures(stats: dict, rollout: Rollout, estimate: str, rows=slice(None)):
-    from opefo_trl.entropy_flow import entropy_flow, flow_stats
+    from opefo_trl.maths.entropy_flow import entropy_flow, flow_stats
 
     vocab = (stats["sum_sq_probs"][rows], stats["sum_sq_probs_log_probs"][rows]) if estimate == "full" else (None, None)
     flow = entropy_flow(stats["logps"][rows], stats["entropies"][rows], rollout.advantages[rows], estimate, *vocab)

@@ -9,7 +9,7 @@ The maths modules (`entropy_flow`, `vocab_stats`, `methods`, `pass_at_k`) import
 __version__ = "0.1.0"
 
 _LAZY = {
-    "OPEFOConfig": "opefo_trl.config",
+    "OPEFOConfig": "opefo_trl.trainer.config",
     "OPEFOTrainer": "opefo_trl.trainer",
 }
 

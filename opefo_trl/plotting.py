@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .runs import CHECKPOINT_RE, METRICS_FILE, METRICS_FILE_PER_RANK, TRAINER_STATE_NAME, checkpoints
+from opefo_trl.runs import CHECKPOINT_RE, METRICS_FILE, METRICS_FILE_PER_RANK, TRAINER_STATE_NAME, checkpoints
 
 STATE_FILE = TRAINER_STATE_NAME
 #: What `opefo-train` writes (`metrics_jsonl`): the main process's file, else rank 0's.

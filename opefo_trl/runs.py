@@ -1,5 +1,4 @@
-"""Run directories and checkpoints: what an earlier run left in an ``output_dir``, whether a checkpoint is whole, and
-the data order of a resumed run.
+"""Run directories and checkpoints: what an earlier run left in an ``output_dir``, and whether a checkpoint is whole.
 
 - :func:`run_files` lists what a training run leaves in its ``output_dir`` (``checkpoint-<step>`` folders, the
   metrics files, ``trainer_state.json``, saved weights); ``opefo-train`` refuses such a directory unless it resumes
@@ -8,8 +7,6 @@ the data order of a resumed run.
 - :func:`check_checkpoint` reads, without loading a tensor, every file ``Trainer`` will load from a checkpoint
   (safetensors headers and sizes, the zip directories of ``torch.save`` files, the JSON states) and names the first
   one that is missing, empty or cut short, with the previous checkpoint that is whole.
-- :class:`EpochSeededSampler` makes TRL's ``RepeatSampler`` draw epoch ``e``'s order from its seed and ``e`` alone,
-  so a run resumed in or at the end of any epoch draws the prompts an uninterrupted run draws.
 
 Example:
     >>> from opefo_trl.runs import run_files
@@ -25,16 +22,15 @@ import re
 import shutil
 import struct
 import zipfile
-from collections.abc import Sized
-from typing import cast
 
-import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 #: The metrics files of `opefo-train` (`metrics_jsonl`): one for the main process, or one per process.
 METRICS_FILE = "metrics.jsonl"
 METRICS_FILE_PER_RANK = "metrics.rank{rank}.jsonl"
 TRAINER_STATE_NAME = "trainer_state.json"
+#: The token method's state in a checkpoint (`OPEFOTrainer`), e.g. PAR's coefficient.
+METHOD_STATE_NAME = "opefo_method_state.json"
 CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 _METRICS_RE = re.compile(r"^metrics(\.rank\d+)?\.jsonl$")
 #: Weight files `Trainer.save_model` writes (full model, shards and their index, a PEFT adapter).
@@ -146,8 +142,6 @@ def _file_problem(path: str, method_state_name: str) -> str | None:
 
 def _first_problem(checkpoint: str) -> tuple[str, str] | None:
     """``(file, reason)`` of the first file of ``checkpoint`` that cannot be loaded, else None."""
-    from .trainer import METHOD_STATE_NAME  # (the trainer imports this module)
-
     names = os.listdir(checkpoint)
     if TRAINER_STATE_NAME not in names:
         return os.path.join(checkpoint, TRAINER_STATE_NAME), "is missing (without it training would restart at step 0)"
@@ -186,8 +180,6 @@ def check_checkpoint(checkpoint: str, method: str | None = None) -> None:
     Raises:
         CheckpointError: naming the file, what is wrong with it, and the previous checkpoint that is whole.
     """
-    from .trainer import METHOD_STATE_NAME
-
     problem = _first_problem(checkpoint)
     if problem is not None:
         path, reason = problem
@@ -211,48 +203,28 @@ def check_checkpoint(checkpoint: str, method: str | None = None) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Data order of a resumed run
+# The token method's state in a checkpoint
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-class EpochSeededSampler(torch.utils.data.Sampler):
-    """TRL's ``RepeatSampler`` (or any sampler with a seeded ``generator``) whose epoch ``e`` draws the order an
-    uninterrupted run draws in epoch ``e``, also when the run was resumed.
+def save_method_state(checkpoint: str, method: str, state: dict) -> None:
+    """Write the token method's name and state (``TokenMethod.state_dict()``) into a checkpoint folder."""
+    with open(os.path.join(checkpoint, METHOD_STATE_NAME), "w") as f:
+        json.dump({"method": method, "state": state}, f)
 
-    ``RepeatSampler`` seeds its generator once and advances it by one shuffle per epoch; a checkpoint does not store
-    the generator, so a resumed run starts again from the seed and replays epoch 0's order (or, resumed within a
-    later epoch, skips the first batches of the wrong order: some prompts twice, others never). ``Trainer`` calls
-    ``set_epoch(e)`` before every epoch (through accelerate's data loader); this resets the generator to the seed
-    and advances it by ``e`` shuffles of the wrapped sampler, exactly as ``e`` uninterrupted epochs did.
 
-    Example:
-        >>> from trl.trainer.utils import RepeatSampler
-        >>> def order(sampler, epoch):
-        ...     sampler.set_epoch(epoch)
-        ...     return list(sampler)
-        >>> uninterrupted = EpochSeededSampler(RepeatSampler(range(6), mini_repeat_count=1, seed=0))
-        >>> orders = [order(uninterrupted, e) for e in range(3)]
-        >>> resumed = EpochSeededSampler(RepeatSampler(range(6), mini_repeat_count=1, seed=0))
-        >>> order(resumed, 2) == orders[2] != orders[0]
-        True
-    """
-
-    def __init__(self, sampler: torch.utils.data.Sampler):
-        self.sampler = sampler
-        generator = getattr(sampler, "generator", None) if getattr(sampler, "shuffle", True) else None
-        self._generator: torch.Generator | None = generator
-        self._seed = 0 if generator is None else generator.initial_seed()  # read only with a generator
-
-    def set_epoch(self, epoch: int) -> None:
-        if self._generator is None:
-            return
-        self._generator.manual_seed(self._seed)
-        for _ in range(epoch):
-            for _ in self.sampler:  # one epoch's draws, whatever the wrapped sampler draws per epoch
-                pass
-
-    def __iter__(self):
-        return iter(self.sampler)
-
-    def __len__(self) -> int:
-        return len(cast(Sized, self.sampler))  # TypeError for a sampler without a length, as Trainer expects
+def load_method_state(checkpoint: str, method: str) -> dict | None:
+    """The state a checkpoint holds for ``method`` (None when it holds none); a checkpoint of another method is
+    refused, naming both."""
+    path = os.path.join(checkpoint, METHOD_STATE_NAME)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        saved = json.load(f)
+    if saved["method"] != method:
+        raise ValueError(
+            f"Checkpoint {checkpoint} was trained with method={saved['method']!r}, but this run uses "
+            f"method={method!r}. Resume with the same method, or start from the weights without "
+            "resume_from_checkpoint."
+        )
+    return saved["state"]

@@ -112,7 +112,7 @@ def _write_checkpoint(folder, step: int, method: str = "opefo"):
     import torch
     from safetensors.torch import save_file
 
-    from opefo_trl.trainer import METHOD_STATE_NAME
+    from opefo_trl.runs import METHOD_STATE_NAME
 
     path = folder / f"checkpoint-{step}"
     path.mkdir(parents=True)

@@ -34,8 +34,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from opefo_trl.checks import RewardFunctionError
 from opefo_trl.cli.options import INPUT_ERRORS, build_parser, parse_options, report_error
+from opefo_trl.trainer.checks import RewardFunctionError
 
 logger = logging.getLogger("opefo_trl.cli.train")  # not __name__: "__main__" under `python -m`
 
@@ -103,7 +103,7 @@ class TrainScriptArguments:
     )
     prompt_template: str = field(
         default="qwen_math_boxed",
-        metadata={"help": "Prompt template of opefo_trl.prompts: 'qwen_math_boxed', 'dapo' or 'plain'."},
+        metadata={"help": "Prompt template of opefo_trl.data.prompts: 'qwen_math_boxed', 'dapo' or 'plain'."},
     )
     reward_funcs: list[str] = field(
         default_factory=lambda: [DEFAULT_REWARD],
@@ -171,13 +171,14 @@ def make_parser():
     """The parser over (`TrainScriptArguments`, `OPEFOConfig`, `ModelConfig`): see `opefo_trl.cli.options`."""
     from trl import ModelConfig
 
-    from opefo_trl.config import OPEFOConfig
+    from opefo_trl.methods import TOKEN_METHODS
+    from opefo_trl.trainer.config import OPEFOConfig
 
     return build_parser(
         (TrainScriptArguments, OPEFOConfig, ModelConfig),
         prog=PROG,
         description=(
-            "Train a math reasoner with OPEFO or a baseline (method: opefo, grpo, par, clip_cov, kl_cov). "
+            f"Train a math reasoner with OPEFO or a baseline (method: {', '.join(TOKEN_METHODS)}). "
             "Options come from a recipe YAML given with `--config recipe.yaml` (keys are the option names below, "
             "plus an optional `env:` mapping of environment variables) and from the command line, which overrides "
             "the recipe. Unknown keys are errors."
@@ -215,7 +216,7 @@ def resolve_reward_funcs(names: Sequence[str]) -> list[Callable]:
     funcs = []
     for name in names:
         if name == DEFAULT_REWARD:
-            from opefo_trl.rewards import math_accuracy_reward
+            from opefo_trl.data.rewards import math_accuracy_reward
 
             funcs.append(math_accuracy_reward)
             continue
@@ -240,10 +241,10 @@ def resolve_reward_funcs(names: Sequence[str]) -> list[Callable]:
 
 def validate_args(script_args, training_args, model_args) -> None:
     """Cross-option checks that need no model weights (TRL / OPEFOConfig check their own fields on construction)."""
-    from opefo_trl.checks import check_training_values
-    from opefo_trl.data import local_file_builder, resolve_dataset_source
-    from opefo_trl.model_files import check_model_name_or_path
-    from opefo_trl.prompts import get_template
+    from opefo_trl.data.loading import local_file_builder, resolve_dataset_source
+    from opefo_trl.data.model_files import check_model_name_or_path
+    from opefo_trl.data.prompts import get_template
+    from opefo_trl.trainer.checks import check_training_values
 
     if not model_args.model_name_or_path:
         raise ValueError("model_name_or_path is not set: give a hub id or a local model directory.")
@@ -328,7 +329,7 @@ def validate_output_dir(script_args, training_args) -> None:
 
 def context_length_for(script_args, training_args, model_args) -> int:
     """The context prompts must fit: `context_length`, else the model's max_position_embeddings; capped by vLLM's."""
-    from opefo_trl.model_files import model_context_length
+    from opefo_trl.data.model_files import model_context_length
 
     context = model_context_length(
         model_args.model_name_or_path,
@@ -347,7 +348,7 @@ def context_length_for(script_args, training_args, model_args) -> int:
 
 def build_train_dataset(script_args, training_args, model_args, tokenizer):
     """Load the data set, render its prompts and check them against the context; before any model weights load."""
-    from opefo_trl.data import check_prompt_lengths, load_math_dataset
+    from opefo_trl.data.loading import check_prompt_lengths, load_math_dataset
 
     dataset = load_math_dataset(
         script_args.dataset_name,
@@ -406,8 +407,8 @@ def train(script_args, training_args, model_args, train_dataset=None, reward_fun
     from packaging.version import Version
     from trl import get_peft_config, get_quantization_config
 
-    from opefo_trl.callbacks import MetricsJsonlCallback
     from opefo_trl.trainer import OPEFOTrainer
+    from opefo_trl.trainer.callbacks import MetricsJsonlCallback
 
     if train_dataset is None or reward_funcs is None:
         train_dataset, reward_funcs = prepare_inputs(script_args, training_args, model_args)

@@ -25,7 +25,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from opefo_trl.prompts import completion_to_text
+from opefo_trl.data.prompts import completion_to_text
 
 PROMPT_TEMPLATE = "Solve {target} = ? + ?"
 DEFAULT_MIN_TARGET = 6

@@ -57,14 +57,21 @@ def diagnostic_trainer_class() -> type[OPEFOTrainer]:
     """``OPEFOTrainer`` with the parameter-space reference on every rollout batch: one record per step, written to
     ``<output_dir>/STEPS_FILE`` when training ends."""
     import torch
+    from transformers import TrainerCallback
 
     from opefo_trl import OPEFOTrainer
-    from opefo_trl.entropy_flow import flow_per_unit_advantage, flow_stats, lambda_star, token_weights
-    from opefo_trl.param_flow import adam_preconditioner, first_order_change, inner, param_groups
-    from opefo_trl.trainer import ADVANTAGES, FACTOR, ROLLOUT_STATS, _per_token
+    from opefo_trl.maths.entropy_flow import flow_per_unit_advantage, flow_stats, lambda_star, token_weights
+    from opefo_trl.maths.step_model import adam_preconditioner, first_order_change, inner, param_groups
+    from opefo_trl.trainer.batch_state import per_token
+    from opefo_trl.trainer.param_estimate import RolloutItem
 
     class DiagnosticTrainer(OPEFOTrainer):
         records: list[dict]
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.reference = self._param_estimate()  # the parameter-space flow, whatever the run's own estimate
+            self.add_callback(BeforeOptimizerStep(self))
 
         def train(self, *args, **kwargs):
             output = super().train(*args, **kwargs)
@@ -76,32 +83,31 @@ def diagnostic_trainer_class() -> type[OPEFOTrainer]:
             # The whole rollout batch, before TRL splits it into micro-batches and before any method reweights it.
             output = super()._generate_and_score_completions(inputs)
             if self.model.training:
-                self._record_reference([output])
+                self._record_reference(output)
             return output
 
         @torch.no_grad()
-        def _record_reference(self, batches: list[dict]) -> None:
+        def _record_reference(self, batch: dict) -> None:
             if not hasattr(self, "records"):
                 tokenizer = self.processing_class
                 texts = [tokenizer.decode([i]) for i in range(len(tokenizer))]
                 classes = token_classes(texts, tokenizer.eos_token)
                 self._token_class = torch.tensor([TOKEN_CLASSES.index(c) for c in classes])
                 self.records = []
-            # Copies: the run's own micro-batches must stay as TRL built them.
-            copies = [dict(batch) for batch in batches]
-            for batch in copies:
-                batch[ADVANTAGES] = _per_token(batch["advantages"], batch["completion_mask"]).float()
-            _, flow = self._estimate_param_flow(copies)
+            # A copy: the run's own micro-batches must stay as TRL built them. TRL's old-log-prob pass, where the
+            # run captured it, gives log pi and H, as in the run's own rollout pass.
+            captured = None if self.rollout is None else self.rollout.state.captured
+            advantages_per_token = per_token(batch["advantages"], batch["completion_mask"]).float()
+            item = RolloutItem(dict(batch), advantages_per_token, captured)
+            _, flow = self.reference.estimate([item])
+            alignment = torch.cat([u.flatten() for u in flow.alignment])
             alignment = torch.cat([u.flatten() for u in flow.alignment])
             self._reference_entropy_grad = flow.entropy_grad  # grad Hbar, for the step's first-order change
 
-            def cat(key):
-                return torch.cat([b[key].flatten() for b in copies]).double()
-
-            logps, entropies, factor, advantages = (
-                cat(ROLLOUT_STATS[0]), cat(ROLLOUT_STATS[1]), cat(FACTOR), cat(ADVANTAGES),
-            )  # fmt: skip
-            ids = torch.cat([b["completion_ids"].flatten() for b in copies])
+            assert item.scores is not None and item.factor is not None  # filled in by the estimate
+            logps, entropies = item.scores.logps.flatten().double(), item.scores.entropies.flatten().double()
+            factor, advantages = item.factor.flatten().double(), item.advantages.flatten().double()
+            ids = batch["completion_ids"].flatten()
             tabular = advantages * flow_per_unit_advantage(logps, entropies, "opefo").double()
             exact = advantages * alignment.double()
             weights = torch.ones_like(tabular)
@@ -141,28 +147,32 @@ def diagnostic_trainer_class() -> type[OPEFOTrainer]:
                 }
             self.records.append(record)
 
+    class BeforeOptimizerStep(TrainerCallback):
+        def __init__(self, trainer: DiagnosticTrainer):
+            self.trainer = trainer
+
         @torch.no_grad()
-        def _before_optimizer_step(self) -> None:
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
             # The real (clipped) gradient is in p.grad: the first-order change of Hbar this AdamW step makes, and the
             # part of it Adam's momentum carries: update = -lr (c1 g + c2 m_prev) D, D = 1 / (sqrt(v_hat) + eps)
             # with this g in v_hat, so the momentum's part is -lr c2 m_prev D.
-            super()._before_optimizer_step()
-            optimizer, params = self._torch_optimizer(), self._trainable_parameters()
-            entropy_grad, record = self._reference_entropy_grad, self.records[-1]
+            trainer = self.trainer
+            optimizer, params = trainer._torch_optimizer(), trainer._trainable_parameters()
+            entropy_grad, record = trainer._reference_entropy_grad, trainer.records[-1]
             record["predicted"] = first_order_change(optimizer, params, entropy_grad, (p.grad for p in params))
             groups, momentum = param_groups(optimizer), 0.0
             for p, h in zip(params, entropy_grad, strict=True):
-                state, group = optimizer.state.get(p), groups[id(p)]
-                if p.grad is None or not state:
+                opt_state, group = optimizer.state.get(p), groups[id(p)]
+                if p.grad is None or not opt_state:
                     continue
-                beta1, step = group["betas"][0], float(state["step"]) + 1
+                beta1, step = group["betas"][0], float(opt_state["step"]) + 1
                 d = adam_preconditioner(optimizer, group, p, p.grad)
                 assert d is not None  # an Adam group
-                update = state["exp_avg"].to(d.dtype).mul(d).mul_(-group["lr"] * beta1 / (1 - beta1**step))
+                update = opt_state["exp_avg"].to(d.dtype).mul(d).mul_(-group["lr"] * beta1 / (1 - beta1**step))
                 momentum += inner([h], [update])
             record["predicted_momentum"] = momentum
             record["predicted_batch"] = record["predicted"] - momentum  # with weight decay 0, the gradient's part
-            self._reference_entropy_grad = None
+            trainer._reference_entropy_grad = None
 
     return DiagnosticTrainer
 

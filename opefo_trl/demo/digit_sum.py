@@ -39,7 +39,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from opefo_trl.prompts import completion_to_text
+from opefo_trl.data.prompts import completion_to_text
 
 PROMPT_TEMPLATE = "Write {num_digits} digits that add up to {target}"
 DEFAULT_NUM_DIGITS = 24

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from opefo_trl.data.prompts import render_prompts
 from opefo_trl.demo.tasks import DemoTask
 from opefo_trl.eval.pass_at_k import mean_pass_at_k
-from opefo_trl.prompts import render_prompts
 
 
 @dataclass

@@ -6,9 +6,9 @@ import json
 import os
 import time
 
+from opefo_trl.data.prompts import render_prompts
 from opefo_trl.demo.settings import DemoSettings
 from opefo_trl.demo.tasks import TASKS
-from opefo_trl.prompts import render_prompts
 
 WARM_START_MARKER = "demo_warm_start.json"
 _WARM_START_KEYS = (

@@ -1,14 +1,14 @@
 r"""Sampling-based evaluation of math reasoners: avg@n, pass@k and majority vote on the paper's benchmarks.
 
 The API behind ``opefo-eval``. A model (a full checkpoint, a hub id, or a PEFT LoRA adapter directory) answers every
-problem of one or more benchmarks ``n`` times; answers are scored with :func:`opefo_trl.rewards.verify_completion`
+problem of one or more benchmarks ``n`` times; answers are scored with :func:`opefo_trl.data.rewards.verify_completion`
 (the training reward's scorer) and summarised per benchmark and averaged over benchmarks, as in the OPEFO paper's
 tables.
 
 Protocol defaults follow the paper: temperature 1.0, top-p 0.7, ``n = 32`` on AIME24 / AIME25 / AMC23 and ``n = 1``
 on MATH500 / Minerva / OlympiadBench (override with ``num_samples``). Sampling uses only temperature and top-p; the
 model's ``generation_config`` defaults (top-k, repetition penalty) are not applied. Prompts are rendered exactly as
-``opefo-train`` renders them (:func:`opefo_trl.prompts.render_prompts`).
+``opefo-train`` renders them (:func:`opefo_trl.data.prompts.render_prompts`).
 
 Modules: :mod:`~opefo_trl.eval.benchmarks` (registry, problems, prompts), :mod:`~opefo_trl.eval.config`
 (:class:`EvaluationConfig`), :mod:`~opefo_trl.eval.store` (resumable samples, per-sample seeds),
@@ -39,8 +39,8 @@ Outputs in ``output_dir``:
 - ``samples.jsonl``: one line per sample (with its seed), appended and flushed after every generation batch. A
   re-run with the same settings skips what is already there, so an interrupted run resumes where it stopped.
 - ``run_config.json``: the generation settings and a content fingerprint of the weight files (adapter included;
-  :func:`opefo_trl.model_files.weight_fingerprints`); resuming with other settings, or after the weights changed (e.g.
-  more training into the model's directory), is refused. A hub model is known by its id only.
+  :func:`opefo_trl.data.model_files.weight_fingerprints`); resuming with other settings, or after the weights
+  changed (e.g. more training into the model's directory), is refused. A hub model is known by its id only.
 - ``results.json``: settings, per-benchmark metrics, per-problem rows (extracted answers, scores, n, c, majority
   answer) and the average over benchmarks.
 - ``results.md``: a markdown table, benchmarks x metrics, with an ``average`` row.

@@ -19,7 +19,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..model_files import looks_like_local_path, weight_fingerprints
+from opefo_trl.data.model_files import looks_like_local_path, weight_fingerprints
+
 from .config import BACKENDS, EvaluationConfig
 from .store import SampleJob
 
@@ -34,7 +35,7 @@ class ModelSource:
 
     def weight_fingerprints(self) -> dict[str, str]:
         """Content fingerprints of the local weight files, ``model/<file>`` and ``adapter/<file>``
-        (:func:`opefo_trl.model_files.weight_fingerprints`); a hub model is known by its id alone."""
+        (:func:`opefo_trl.data.model_files.weight_fingerprints`); a hub model is known by its id alone."""
         prints = {f"model/{name}": value for name, value in weight_fingerprints(self.model_path).items()}
         if self.adapter_path is not None:
             prints.update({f"adapter/{name}": value for name, value in weight_fingerprints(self.adapter_path).items()})

@@ -8,13 +8,10 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from ..data import LOCAL_FILE_BUILDERS, is_local_data_file, load_local_files
-from ..prompts import format_prompt, render_prompts
-
-if TYPE_CHECKING:
-    from .config import EvaluationConfig
+from opefo_trl.data.loading import LOCAL_FILE_BUILDERS, is_local_data_file, load_local_files
+from opefo_trl.data.prompts import format_prompt, render_prompts
 
 
 @dataclass(frozen=True)
@@ -129,7 +126,24 @@ def _default_k_values(n: int) -> tuple[int, ...]:
     return tuple(2**i for i in range(int(math.log2(n)) + 1))
 
 
-def resolve_benchmarks(config: EvaluationConfig) -> list[ResolvedBenchmark]:
+class BenchmarkSelection(Protocol):
+    """What :func:`resolve_benchmarks` reads from an ``EvaluationConfig`` (``opefo_trl.eval.config``)."""
+
+    @property
+    def benchmarks(self) -> Sequence[str]: ...
+    @property
+    def benchmark_files(self) -> Sequence[str]: ...
+    @property
+    def num_samples(self) -> int | None: ...
+    @property
+    def pass_at_k(self) -> Sequence[int] | None: ...
+    @property
+    def question_column(self) -> str: ...
+    @property
+    def answer_column(self) -> str: ...
+
+
+def resolve_benchmarks(config: BenchmarkSelection) -> list[ResolvedBenchmark]:
     """Turn names / files into :class:`ResolvedBenchmark` s and check ``k <= n`` -- before loading anything.
 
     Raises:

@@ -6,7 +6,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..prompts import DEFAULT_TEMPLATE, PROMPT_TEMPLATES, get_template
+from opefo_trl.data.prompts import DEFAULT_TEMPLATE, PROMPT_TEMPLATES, get_template
+
 from .benchmarks import BENCHMARKS, PAPER_BENCHMARKS, parse_benchmark_files
 
 BACKENDS = ("auto", "vllm", "transformers")
@@ -67,7 +68,7 @@ class EvaluationConfig:
     max_new_tokens: int = field(default=3000, metadata={"help": "Maximum tokens generated per sample."})
     prompt_template: str = field(
         default=DEFAULT_TEMPLATE,
-        metadata={"help": f"Prompt template of opefo_trl.prompts: {', '.join(PROMPT_TEMPLATES)}."},
+        metadata={"help": f"Prompt template of opefo_trl.data.prompts: {', '.join(PROMPT_TEMPLATES)}."},
     )
     seed: int = field(
         default=0,

@@ -22,7 +22,7 @@ def score_problem(problem: Problem, completions: Sequence[str]) -> dict[str, Any
         >>> row["n"], row["c"], row["answers"], row["majority_answer"], row["majority_correct"]
         (3, 2, ['2', '3', '2'], '2', True)
     """
-    from ..rewards import FAILED, verify_completion
+    from opefo_trl.data.rewards import FAILED, verify_completion
 
     results = [verify_completion(text, problem.gold) for text in completions]
     scorable = all(r.gold_scorable for r in results)  # an unreadable gold answer is not 0 correct

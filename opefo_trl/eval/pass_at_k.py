@@ -107,7 +107,7 @@ def majority_vote(answers: Sequence[Hashable | None], correct: Sequence[bool]) -
     """The most frequent extracted answer of one problem and whether it is correct.
 
     ``None`` answers (nothing extracted) do not vote; ties go to the answer seen first. With no answer at all the
-    vote is ``(None, False)``. Answers should be canonical (see :func:`opefo_trl.rewards.extract_answer`) so that
+    vote is ``(None, False)``. Answers should be canonical (see :func:`opefo_trl.data.rewards.extract_answer`) so that
     ``0.5`` and ``\\frac{1}{2}`` count as one answer; the vote is correct if any sample with that answer is.
 
     Example:

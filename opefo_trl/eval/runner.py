@@ -9,7 +9,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ..model_files import model_context_length
+from opefo_trl.data.model_files import model_context_length
+
 from .backends import ModelSource, TransformersBackend, VLLMBackend, resolve_model_source, select_backend
 from .benchmarks import build_prompt_ids, context_length_warning, load_problems, resolve_benchmarks
 from .config import EvaluationConfig

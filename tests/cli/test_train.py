@@ -8,7 +8,7 @@ import re
 import pytest
 
 from opefo_trl.cli.train import main, parse_args
-from opefo_trl.trainer import METHOD_STATE_NAME
+from opefo_trl.runs import METHOD_STATE_NAME
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "qwen2.5-math-7b", "opefo.yaml")
 PAR_RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "qwen2.5-math-7b", "par.yaml")

@@ -2,6 +2,7 @@
 
 import pytest
 
+from opefo_trl.data.rewards import score_completion
 from opefo_trl.eval import (
     BENCHMARKS,
     EvaluationConfig,
@@ -11,7 +12,6 @@ from opefo_trl.eval import (
     load_problems,
     resolve_benchmarks,
 )
-from opefo_trl.rewards import score_completion
 
 
 def test_registry_matches_the_papers_benchmarks():
@@ -100,8 +100,8 @@ def test_prompts_are_rendered_as_training_renders_them(tiny_model_path, bench_fi
     from datasets import Dataset
     from transformers import AutoTokenizer
 
-    from opefo_trl.data import prompt_token_lengths
-    from opefo_trl.prompts import format_prompt
+    from opefo_trl.data.loading import prompt_token_lengths
+    from opefo_trl.data.prompts import format_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     (bench,) = resolve_benchmarks(EvaluationConfig(model_name_or_path="m", benchmarks=[bench_file]))

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
+from opefo_trl.data.rewards import extract_answer
 from opefo_trl.eval import Problem, average_over_benchmarks, compute_benchmark_metrics, score_problem
 from opefo_trl.eval.pass_at_k import pass_at_k
-from opefo_trl.rewards import extract_answer
 
 
 def test_score_problem_and_metrics_from_hand_written_samples():
@@ -41,7 +41,7 @@ def test_average_is_over_benchmarks_that_all_have_the_metric():
 
 
 def test_a_gold_answer_that_fails_to_parse_makes_the_problem_unscorable_not_wrong(monkeypatch):
-    from opefo_trl import rewards
+    from opefo_trl.data import rewards
 
     def broken_gold(gold_text):
         raise rewards.VerificationFailure("math-verify parsing timed out after 10 s")

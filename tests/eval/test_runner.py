@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from opefo_trl.data.rewards import extract_answer, score_completion
 from opefo_trl.eval import GeneratedSample, TransformersBackend, evaluate, resolve_model_source, sample_seed
 from opefo_trl.eval.pass_at_k import pass_at_k
-from opefo_trl.rewards import extract_answer, score_completion
 
 NUM_PROBLEMS = 4  # rows of the bench_file fixture: problem i asks i + (i + 1)
 

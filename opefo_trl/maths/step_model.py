@@ -1,0 +1,276 @@
+"""The optimizer's next update as a function of the gradient, and the exact step balance (docs/algorithm.md s. 4).
+
+Pure torch, no TRL import. The `param` estimate holds Adam's preconditioner D fixed, but Adam's real step
+m_hat / (sqrt(v_hat) + eps) depends on the gradient through both moments. ``StepModel`` therefore evaluates the
+first-order change of the mean token entropy Hbar made by the real next step exactly, as a function of OPEFO's
+lambda: the gradient of the loss with token weights 1 + lambda s_t is affine in lambda, g = a + lambda b, so
+
+    delta Hbar(lambda) = <grad Hbar, delta theta_opt(clip(lambda) * (a + lambda b))>,
+
+with delta theta_opt the optimizer's update as torch computes it (moments, bias correction, eps, amsgrad, weight
+decay; ``optimizer_update``) and clip the Trainer's gradient clipping. ``solve_step_balance`` finds its root in lambda.
+
+Example:
+    >>> import torch
+    >>> p = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    >>> optimizer = torch.optim.AdamW([p], lr=0.1, weight_decay=0.0)
+    >>> update = optimizer_update(optimizer, optimizer.param_groups[0], p, torch.tensor([0.5, -0.5]))
+    >>> p.grad = torch.tensor([0.5, -0.5]); before = p.detach().clone(); optimizer.step()
+    >>> bool(torch.allclose(p.detach() - before, update))
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+#: Elements per chunk of an fp64 inner product (bounds its temporary memory).
+_CHUNK = 1 << 22
+
+
+def inner(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    """sum_i <a_i, b_i> over two lists of tensors, accumulated in fp64 (the products of fp32 values are exact there).
+
+    >>> inner([torch.tensor([1.0, 2.0])], [torch.tensor([3.0, 4.0])])
+    11.0
+    """
+    total = 0.0
+    for x, y in zip(a, b, strict=True):
+        for xs, ys in zip(x.detach().reshape(-1).split(_CHUNK), y.detach().reshape(-1).split(_CHUNK), strict=True):
+            total += float(torch.dot(xs.double(), ys.double()))
+    return total
+
+
+def global_norm(tensors: Sequence[torch.Tensor]) -> float:
+    """Euclidean norm of a list of tensors taken as one vector (fp64 accumulation)."""
+    return math.sqrt(inner(tensors, tensors))
+
+
+#: Optimizers whose update ``optimizer_update`` reproduces, per preconditioner.
+SUPPORTED_OPTIMIZERS = {"adam": (torch.optim.Adam,), "none": (torch.optim.SGD,)}
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, preconditioner: str) -> None:
+    """Raise ValueError, naming the fix, unless ``optimizer_update`` reproduces this optimizer's update exactly:
+    torch's Adam/AdamW for ``preconditioner="adam"`` (AdamW subclasses Adam), plain SGD (no momentum) for "none"."""
+    name = type(optimizer).__name__
+    if not isinstance(optimizer, SUPPORTED_OPTIMIZERS[preconditioner]):
+        fix = (
+            "Use optim='adamw_torch' (or 'adamw_torch_fused'), or entropy_flow_preconditioner='none' with optim='sgd'"
+            if preconditioner == "adam"
+            else "Use entropy_flow_preconditioner='adam' (the Adam/AdamW preconditioner), or optim='sgd' without "
+            "momentum"
+        )
+        expected = "Adam/AdamW" if preconditioner == "adam" else "plain SGD"
+        raise ValueError(
+            f"entropy_flow_preconditioner={preconditioner!r} models the update of {expected}, but the optimizer is "
+            f"{name}: the flow would describe a step that never happens. {fix}."
+        )
+    for group in optimizer.param_groups:
+        if group.get("maximize"):
+            raise ValueError(f"The `param` estimate models a minimising optimizer; {name} has maximize=True.")
+        if preconditioner == "none" and (group.get("momentum", 0) or group.get("weight_decay", 0)):
+            raise ValueError(
+                "entropy_flow_preconditioner='none' models plain SGD (theta -= lr * g), but the optimizer has "
+                f"momentum={group.get('momentum', 0)}, weight_decay={group.get('weight_decay', 0)}. Set both to 0, or "
+                "use AdamW with entropy_flow_preconditioner='adam'."
+            )
+
+
+def param_groups(optimizer: torch.optim.Optimizer) -> dict[int, dict]:
+    return {id(p): group for group in optimizer.param_groups for p in group["params"]}
+
+
+def compute_dtype(p: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(p.dtype, torch.float32)
+
+
+@torch.no_grad()
+def optimizer_update(optimizer: torch.optim.Optimizer | None, group: dict | None, p: torch.Tensor, grad: torch.Tensor):
+    """The change of ``p`` that ``optimizer.step()`` makes with gradient ``grad``, from the optimizer's state before
+    the step (the state is read, not changed); ``group`` is p's parameter group. None: SGD with learning rate 1.
+
+    SGD: -lr g. Adam/AdamW exactly as torch computes it: m = beta1 m_prev + (1 - beta1) g,
+    v = beta2 v_prev + (1 - beta2) g^2 (amsgrad: the running maximum), update = -lr m / (1 - beta1^t) /
+    (sqrt(v / (1 - beta2^t)) + eps), plus AdamW's decoupled weight decay -lr weight_decay p (Adam's coupled one adds
+    weight_decay p to g). Float32 (float64 for float64 parameters)."""
+    dtype = compute_dtype(p)
+    g = grad.to(dtype)
+    if optimizer is None:
+        return -g
+    assert group is not None, "an optimizer's update needs p's parameter group"
+    lr = float(group["lr"])
+    if "betas" not in group:
+        return g.mul(-lr)
+    state = optimizer.state.get(p) or {}
+    (beta1, beta2), eps, decay = group["betas"], group["eps"], group["weight_decay"]
+    decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
+    if decay and not decoupled:
+        g = g + decay * p.detach().to(dtype)
+    step = float(state["step"]) + 1 if state else 1.0
+    bias1, bias2 = 1 - beta1**step, 1 - beta2**step
+    m = g * ((1 - beta1) / bias1)
+    v = g.square().mul_((1 - beta2) / bias2)
+    if state:
+        m.add_(state["exp_avg"].to(dtype), alpha=beta1 / bias1)
+        v.add_(state["exp_avg_sq"].to(dtype), alpha=beta2 / bias2)
+        if group.get("amsgrad"):
+            torch.maximum(v, state["max_exp_avg_sq"].to(dtype) / bias2, out=v)
+    update = m.div_(v.sqrt_().add_(eps)).mul_(-lr)
+    if decay and decoupled:
+        update.sub_(p.detach().to(dtype), alpha=lr * decay)
+    return update
+
+
+@torch.no_grad()
+def first_order_change(optimizer, params: Sequence[torch.Tensor], entropy_grad, grads: Iterable) -> float:
+    """<grad Hbar, the update optimizer.step() makes with ``grads``> (fp64 sum): the first-order change of Hbar.
+    ``grads`` may be lazy (a generator); a parameter whose gradient is None is not stepped (as in torch)."""
+    groups = param_groups(optimizer) if optimizer is not None else {}
+    total = 0.0
+    for p, h, g in zip(params, entropy_grad, grads, strict=True):
+        if g is not None:
+            total += inner([h], [optimizer_update(optimizer, groups.get(id(p)), p, g)])
+    return total
+
+
+@torch.no_grad()
+def adam_preconditioner(optimizer: torch.optim.Optimizer | None, group: dict | None, p, grad) -> torch.Tensor | None:
+    """D = 1 / (sqrt(v_hat) + eps) of the next Adam step with gradient ``grad`` (None for plain SGD: D = 1)."""
+    if optimizer is None:
+        return None
+    assert group is not None, "an optimizer's preconditioner needs p's parameter group"
+    if "betas" not in group:
+        return None
+    state = optimizer.state.get(p) or {}
+    beta2, eps = group["betas"][1], group["eps"]
+    step = float(state["step"]) + 1 if state else 1.0
+    v = grad.to(compute_dtype(p)).square().mul_(1 - beta2)
+    if state:
+        v.add_(state["exp_avg_sq"].to(v.dtype), alpha=beta2)
+        if group.get("amsgrad"):
+            torch.maximum(v, state["max_exp_avg_sq"].to(v.dtype), out=v)
+    return v.div_(1 - beta2**step).sqrt_().add_(eps).reciprocal_()
+
+
+def clip_coefficient(norm: float, max_grad_norm: float | None) -> float:
+    """The factor the Trainer's gradient clipping (torch's clip_grad_norm_) multiplies a gradient of this norm by."""
+    if not max_grad_norm or max_grad_norm <= 0:
+        return 1.0
+    return min(1.0, max_grad_norm / (norm + 1e-6))
+
+
+class PreconditionedDirection(Sequence):
+    """v_i = D_i grad_i Hbar, computed on access (no stored copy), D from the clipped loss gradient."""
+
+    def __init__(self, optimizer, params, entropy_grad, loss_grad, clip: float):
+        self.optimizer, self.params, self.entropy_grad, self.loss_grad, self.clip = (
+            optimizer,
+            params,
+            entropy_grad,
+            loss_grad,
+            clip,
+        )
+        self.groups = param_groups(optimizer) if optimizer is not None else {}
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def __getitem__(self, i):
+        p = self.params[i]
+        d = adam_preconditioner(self.optimizer, self.groups.get(id(p)), p, self.loss_grad[i] * self.clip)
+        return self.entropy_grad[i] if d is None else d.mul_(self.entropy_grad[i])
+
+
+class StepModel:
+    """The first-order change of Hbar made by the next optimizer step when the rollout's tokens are weighted
+    1 + lambda s_t: the step's gradient is clip(lambda) * (a + lambda b), with a the unweighted loss gradient and b
+    the gradient of the loss with coefficients s_t c_t (both summed over ranks).
+
+    ``change(lam)`` = <grad Hbar, optimizer_update(clip(lam) (a + lam b))>, evaluated elementwise in float32
+    (float64 for float64 parameters) and summed in float64. The learning rate scales every term, so the root does
+    not depend on it."""
+
+    def __init__(self, optimizer, params, entropy_grad, loss_grad, signed_grad, max_grad_norm: float | None = None):
+        self.optimizer, self.params = optimizer, list(params)
+        self.entropy_grad, self.a, self.b = entropy_grad, loss_grad, signed_grad
+        self.max_grad_norm = max_grad_norm
+        self._norms = (inner(self.a, self.a), inner(self.a, self.b), inner(self.b, self.b))
+        self.evaluations = 0
+
+    def clip(self, lam: float) -> float:
+        aa, ab, bb = self._norms
+        return clip_coefficient(math.sqrt(max(aa + 2 * lam * ab + lam * lam * bb, 0.0)), self.max_grad_norm)
+
+    def change(self, lam: float) -> float:
+        self.evaluations += 1
+        clip = self.clip(lam)
+        grads = (torch.add(a, b, alpha=lam).mul_(clip) for a, b in zip(self.a, self.b, strict=True))
+        return first_order_change(self.optimizer, self.params, self.entropy_grad, grads)
+
+
+@dataclass
+class StepBalance:
+    """The result of ``solve_step_balance``: the lambda found, the change it leaves, that of lambda = 0 (unweighted:
+    GRPO's step on the same batch and optimizer state), whether [lo, hi] brackets a root, and the evaluations."""
+
+    lam: float
+    residual: float
+    unweighted: float
+    bracketed: bool
+    evaluations: int
+
+
+def solve_step_balance(
+    change: Callable[[float], float], lo: float = -1.0, hi: float = 1.0, rtol: float = 1e-7, max_evaluations: int = 60
+) -> StepBalance:
+    """The lambda in [lo, hi] with change(lambda) = 0, by the Illinois (modified regula falsi) method on a bracket
+    that contains 0: converges superlinearly where change is smooth and never leaves the bracket. Stops when
+    |change| <= rtol * |change(0)|, the bracket is narrower than 1e-12 or after ``max_evaluations``; returns the best
+    point seen. Without a sign change on [lo, hi] that is the end point with the smaller |change|
+    (``bracketed=False``). Reweighting S+ up raises the flow, so the root lies above 0 when change(0) < 0: that end
+    is tried first.
+
+    >>> result = solve_step_balance(lambda lam: -0.5 + 2.0 * lam + lam**3)
+    >>> round(result.lam, 9), result.bracketed
+    (0.242839733, True)
+    """
+    seen: dict[float, float] = {}
+
+    def f(x: float) -> float:
+        seen[x] = change(x)
+        return seen[x]
+
+    def result(bracketed: bool) -> StepBalance:
+        x = min(seen, key=lambda key: abs(seen[key]))
+        return StepBalance(x, seen[x], seen[0.0], bracketed, len(seen))
+
+    f0 = f(0.0)
+    if f0 == 0.0:
+        return result(True)
+    xa, fa, xb, fb = 0.0, f0, None, None
+    for end in (hi, lo) if f0 < 0 else (lo, hi):
+        if (f(end) > 0) != (f0 > 0) or seen[end] == 0.0:
+            xb, fb = end, seen[end]
+            break
+    if xb is None or fb is None:  # (set together)
+        return result(False)
+    tolerance, side = rtol * abs(f0), 0
+    while fb != 0.0 and len(seen) < max_evaluations and abs(xb - xa) > 1e-12:
+        x = (xa * fb - xb * fa) / (fb - fa)
+        fx = f(x)
+        if abs(fx) <= tolerance:
+            break
+        if (fx > 0) == (fb > 0):  # x replaces b; a retained twice in a row gets its value halved (Illinois)
+            xb, fb = x, fx
+            fa = fa / 2 if side == -1 else fa
+            side = -1
+        else:
+            xa, fa = x, fx
+            fb = fb / 2 if side == 1 else fb
+            side = 1
+    return result(True)

@@ -1,0 +1,80 @@
+"""What the trainer keeps per rollout batch and per micro-batch of TRL's, and where it keeps it.
+
+TRL shuffles the rollout batch and splits it into the micro-batch dicts it trains on (``GRPOTrainer._prepare_inputs``);
+the trainer adds two keys to those dicts:
+
+- ``ROLLOUT_ROW_KEY``, before the split: each completion's row in the rollout batch, so that statistics taken over the
+  whole rollout (TRL's old-log-prob pass) can be read per micro-batch after TRL's shuffle (`Scores.rows`);
+- ``STATE_KEY``, after the split: the micro-batch's :class:`MicroBatchState`, written once per rollout and only read
+  afterwards (TRL reuses the dicts when ``num_iterations > 1``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+STATE_KEY = "opefo"
+ROLLOUT_ROW_KEY = "opefo_rollout_row"
+#: Inputs the trainer's own scoring passes cannot feed (they score text only).
+MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "token_type_ids")
+
+
+@dataclass
+class Scores:
+    """One scoring forward's per-token statistics of the completion tokens, (B, T) each: log pi_t and H_t, and for the
+    `full` estimate sum_k pi_k^2 and sum_k pi_k^2 log pi_k."""
+
+    logps: torch.Tensor
+    entropies: torch.Tensor
+    sum_sq_probs: torch.Tensor | None = None
+    sum_sq_probs_log_probs: torch.Tensor | None = None
+
+    def detached(self) -> Scores:
+        return self._map(torch.Tensor.detach)
+
+    def rows(self, index: torch.Tensor) -> Scores:
+        """The statistics of the rows ``index`` (a micro-batch's rows of the rollout batch)."""
+        return self._map(lambda t: t[index])
+
+    def _map(self, function) -> Scores:
+        def apply(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else function(t)
+
+        return Scores(function(self.logps), function(self.entropies), *map(apply, self.vocab))
+
+    @property
+    def vocab(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.sum_sq_probs, self.sum_sq_probs_log_probs
+
+
+@dataclass(frozen=True)
+class MicroBatchState:
+    """What the rollout pass found for one micro-batch, read by its loss forward and the audit.
+
+    ``advantages``: the unweighted GRPO advantages per token (B, T), fp32 (TRL's ``advantages`` then holds the
+    weighted ones). ``factor`` / ``unit_flow``: f_t and u_t (``opefo_trl.maths.entropy_flow``) at the rollout's
+    parameters. ``deferred``: the rollout is this one micro-batch, whose weights are computed from its training forward
+    instead (same parameters, one forward fewer); factor and flow are then computed there too. ``audit_entropies``:
+    the entropies before the update, taken in full precision by the `param` estimate (None: the audit takes the
+    training forward's).
+    """
+
+    advantages: torch.Tensor
+    factor: torch.Tensor | None = None
+    unit_flow: torch.Tensor | None = None
+    deferred: bool = False
+    audit_entropies: torch.Tensor | None = None
+
+
+def per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Sequence-level advantages (B,) broadcast to the per-token shape of ``like``; (B, T) ones as they are."""
+    return advantages.unsqueeze(1).expand_as(like) if advantages.dim() == 1 else advantages
+
+
+def sequence(batch: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """input_ids, attention_mask and completion length of a TRL micro-batch."""
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    return input_ids, attention_mask, batch["completion_ids"].size(1)

@@ -1,0 +1,212 @@
+"""What TRL and transformers only find out once training runs, checked when it can be.
+
+- :func:`check_training_values`: settings that fail only at the first optimizer step or generation (a negative
+  learning rate, no completion tokens, temperature 0), refused when the trainer is built, before the model loads.
+- :class:`RewardCheck`: what reward functions return, checked on every call. A function that raises, returns
+  something other than one number (or None) per completion, or an infinite reward stops training with an error that
+  names the function and the first bad value, on every process at once (a reward computed on one process only
+  would leave the others waiting in the gather that follows).
+
+Example:
+    >>> reward_problem("my_reward", [1.0, "0.5"], 2)  # doctest: +ELLIPSIS
+    "Reward function 'my_reward' returned '0.5' (a str) for completion 1 of 2..."
+    >>> print(reward_problem("my_reward", [1.0, float("inf"), None], 3))  # doctest: +ELLIPSIS
+    Reward function 'my_reward' returned inf for 1 of 3 completions (first: completion 1); ...
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import traceback
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from trl.trainer.utils import is_async_callable
+
+
+def check_training_values(args) -> None:
+    """Refuse values of a `GRPOConfig` (or `OPEFOConfig`) that TRL accepts but that fail once training starts.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> check_training_values(SimpleNamespace(learning_rate=-1.0, max_completion_length=8, temperature=1.0))
+        Traceback (most recent call last):
+        ...
+        ValueError: learning_rate=-1.0: the learning rate must be >= 0 (e.g. 1e-6).
+    """
+    problems = []
+    if args.learning_rate < 0:
+        problems.append(f"learning_rate={args.learning_rate}: the learning rate must be >= 0 (e.g. 1e-6)")
+    if args.max_completion_length is not None and args.max_completion_length < 1:
+        problems.append(
+            f"max_completion_length={args.max_completion_length}: completions need at least 1 token (e.g. 512)"
+        )
+    if getattr(args, "loss_type", None) == "dr_grpo" and args.max_completion_length is None:
+        problems.append(
+            "loss_type='dr_grpo' with max_completion_length=None: Dr. GRPO divides each loss by the maximum completion "
+            "length, so set max_completion_length (e.g. 512) or choose another loss_type"
+        )
+    if args.temperature <= 0:
+        problems.append(
+            f"temperature={args.temperature}: GRPO samples completions and scores their log-probabilities at this "
+            "temperature, which must be > 0 (1.0 samples the policy as it is)"
+        )
+    if problems:
+        raise ValueError("; ".join(problems) + ".")
+
+
+class RewardFunctionError(ValueError):
+    """A reward function raised or returned something that is not one finite number (or None) per completion."""
+
+
+def _is_reward(value: Any) -> bool:
+    if value is None or (isinstance(value, numbers.Real) and not isinstance(value, (str, bytes))):
+        return True
+    # a 0-d numpy array / torch tensor holding a real number
+    return getattr(value, "ndim", None) == 0 and isinstance(value.item(), numbers.Real)
+
+
+def _as_list(rewards: Any) -> list | None:
+    """The rewards as a list (an array or tensor through ``tolist``, any other iterable but text or a mapping)."""
+    if isinstance(rewards, (str, bytes, Mapping)) or not isinstance(rewards, Iterable):
+        return None
+    return rewards.tolist() if hasattr(rewards, "tolist") else list(rewards)
+
+
+def reward_problem(name: str, rewards: Any, expected: int) -> str | None:
+    """What is wrong with what reward function ``name`` returned for ``expected`` completions; None if nothing."""
+    values = _as_list(rewards)
+    if not isinstance(values, list):  # (a 0-d array's tolist() is a number)
+        return (
+            f"Reward function {name!r} returned {rewards!r:.200} (a {type(rewards).__name__}); it must return a list "
+            f"of {expected} numbers, one per completion (None leaves a completion out)."
+        )
+    if len(values) != expected:
+        return (
+            f"Reward function {name!r} returned {len(values)} rewards for {expected} completions; it must return one "
+            "per completion (None leaves a completion out)."
+        )
+    bad = [(i, v) for i, v in enumerate(values) if not _is_reward(v)]
+    if bad:
+        index, value = bad[0]
+        return (
+            f"Reward function {name!r} returned {value!r:.200} (a {type(value).__name__}) for completion {index} of "
+            f"{expected} ({len(bad)} such value(s) in this batch); rewards must be numbers (int or float), or None "
+            "to leave a completion out. Convert them in the function, e.g. `float(score)`."
+        )
+    infinite = [i for i, v in enumerate(values) if v is not None and math.isinf(float(v))]
+    if infinite:
+        return (
+            f"Reward function {name!r} returned {float(values[infinite[0]])} for {len(infinite)} of {expected} "
+            f"completions (first: completion {infinite[0]}); an infinite reward makes its group's advantages NaN, "
+            "then 0. Return a finite number, or None to leave a completion out."
+        )
+    return None
+
+
+def _where(err: BaseException) -> str:
+    frames = traceback.extract_tb(err.__traceback__)
+    return f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
+
+
+class RewardCheck:
+    """Checks the reward functions of each reward computation: wrap them once, then for every computation
+    :meth:`start` it, compute, and :meth:`raise_if_failed`.
+
+    A failing function is replaced by zeros for the rest of the computation, so that every process reaches the
+    gather of the rewards; the first failure is kept and raised afterwards.
+
+    Example:
+        >>> check = RewardCheck(num_completions=2)
+        >>> [wrapped] = check.wrap([lambda completions, **kwargs: ["1", "0"]], ["string_reward"])
+        >>> wrapped(completions=["a", "b"])
+        [0.0, 0.0]
+        >>> check.raise_if_failed()  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        opefo_trl.trainer.checks.RewardFunctionError: Reward function 'string_reward' returned '1' (a str) ...
+    """
+
+    def __init__(self, num_completions: int = 0):
+        self.num_completions = num_completions
+        self.error: RewardFunctionError | None = None
+
+    @contextmanager
+    def checking(self, trainer: Any, num_completions: int) -> Iterator[None]:
+        """One reward computation of a `GRPOTrainer` over ``num_completions`` completions, its reward functions
+        checked: TRL's ``_calculate_rewards`` calls ``trainer.reward_funcs``, which hold the checked functions for the
+        computation only (the trainer's attribute stays the user's functions)."""
+        self.num_completions, self.error = num_completions, None
+        funcs = trainer.reward_funcs
+        trainer.reward_funcs = self.wrap(funcs, trainer.reward_func_names, is_async=is_async_callable)
+        try:
+            yield
+        finally:
+            trainer.reward_funcs = funcs
+
+    def _result(self, name: str, rewards: Any, raised: Exception | None) -> Any:
+        """The rewards if they are fine; else zeros, keeping the first failure."""
+        failure: RewardFunctionError | None
+        if raised is not None:
+            failure = RewardFunctionError(
+                f"Reward function {name!r} raised {type(raised).__name__}: {raised}{_where(raised)}. Fix the "
+                "function: it must return one number, or None, per completion."
+            )
+            failure.__cause__ = raised
+        else:
+            rewards = rewards if isinstance(rewards, Sequence) else _as_list(rewards)  # a generator is read once
+            problem = reward_problem(name, rewards, self.num_completions)
+            failure = None if problem is None else RewardFunctionError(problem)
+        if failure is None:
+            return rewards
+        self.error = self.error or failure
+        return [0.0] * self.num_completions
+
+    def wrap_one(self, func: Callable, name: str, is_async: bool) -> Callable:
+        """``func`` checked; after a failure, no further reward function of this computation is called."""
+        if is_async:
+
+            async def checked_async(*args, **kwargs):
+                if self.error is not None:
+                    return [0.0] * self.num_completions
+                try:
+                    rewards = await func(*args, **kwargs)
+                except Exception as err:  # user code: any exception, reported with where it was raised
+                    return self._result(name, None, err)
+                return self._result(name, rewards, None)
+
+            return checked_async
+
+        def checked(*args, **kwargs):
+            if self.error is not None:
+                return [0.0] * self.num_completions
+            try:
+                rewards = func(*args, **kwargs)
+            except Exception as err:  # user code: any exception, reported with where it was raised
+                return self._result(name, None, err)
+            return self._result(name, rewards, None)
+
+        return checked
+
+    def wrap(
+        self, funcs: Sequence[Callable], names: Sequence[str], is_async: Callable[[Any], bool] = is_async_callable
+    ):
+        """The functions, each checked; reward models (`torch.nn.Module`) are returned as they are."""
+        import torch
+
+        return [
+            func if isinstance(func, torch.nn.Module) else self.wrap_one(func, name, is_async(func))
+            for func, name in zip(funcs, names, strict=True)
+        ]
+
+    def raise_if_failed(self, failures_on_all_processes: int | None = None) -> None:
+        """Raise the failure seen here, or, when only other processes failed, say so."""
+        if self.error is not None:
+            raise self.error
+        if failures_on_all_processes:
+            raise RewardFunctionError(
+                f"A reward function failed on {failures_on_all_processes} other process(es); their error message "
+                "names it."
+            )

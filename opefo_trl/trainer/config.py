@@ -1,0 +1,280 @@
+"""`OPEFOConfig`: TRL's `GRPOConfig` plus the entropy-flow settings and the token methods' settings.
+
+Each option is declared once, with its default and help: the entropy-flow options in `EntropyFlowSettings` below,
+each method's in the `Settings` of its class in `opefo_trl.methods`. `OPEFOConfig` inherits them all (those of
+every built-in method; `config_class` adds those of any other registered method the same way), so `TrlParser`,
+recipes and `--help` see every one. `validate_opefo_settings` checks them (also on a plain `GRPOConfig` that
+`OPEFOTrainer` was given, see `with_opefo_settings`): what every method shares here, the selected method's own checks
+by its class (`TokenMethod.check_config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import cast
+
+from opefo_trl._compat import check_trl_version
+
+check_trl_version()
+
+from trl import GRPOConfig  # noqa: E402
+
+from opefo_trl.maths.entropy_flow import FLOW_ESTIMATES, check_choice  # noqa: E402
+from opefo_trl.methods import (  # noqa: E402
+    BUILTIN_METHODS,
+    DEFAULT_METHOD,
+    TOKEN_METHODS,
+    TokenMethod,
+    get_token_method_class,
+    method_choices,
+    setting,
+    settings_classes,
+)
+
+#: Free-text GRPOConfig options and the values TRL 1.16 accepts for them.
+TRL_CHOICES = {
+    "loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"),
+    "scale_rewards": ("group", "batch", "none"),
+    "vllm_mode": ("colocate", "server"),
+    "importance_sampling_level": ("token", "sequence"),
+}
+PRECONDITIONERS = ("adam", "none")
+#: TrainingArguments.optim values whose optimizer each `param` preconditioner models exactly (torch's own).
+PRECONDITIONER_OPTIMS = {"adam": ("adamw_torch", "adamw_torch_fused"), "none": ("sgd",)}
+
+
+@dataclass
+class EntropyFlowSettings:
+    """How the per-token entropy flow is estimated, logged and checked (every method; OPEFO balances it)."""
+
+    entropy_flow_estimate: str = setting(
+        "opefo",
+        "Per-token first-order entropy-change estimate used by OPEFO and the diagnostics: 'opefo' "
+        "(-A (1-pi)^2 (log pi + H), the paper's), 'onaction', 'sign', 'full' (exact first order of a tabular softmax; "
+        "two extra vocabulary reductions per token), or 'param' (exact first order through the network's trainable "
+        "parameters: one extra forward+backward and two forwards per rollout batch, in float32).",
+    )
+    entropy_flow_preconditioner: str = setting(
+        "adam",
+        "'param' estimate: the optimizer's diagonal preconditioner D in d_t = c_t A_t <D grad Hbar, grad log pi_t>. "
+        "'adam': torch Adam/AdamW's next step, its bias-corrected second moments including this batch's clipped "
+        "gradient (computed in the same pass); 'none': plain SGD (optim='sgd', no momentum). Each is refused with "
+        "the other family's optimizer.",
+    )
+    entropy_flow_diagnostics: bool = setting(
+        True,
+        "Log the entropy flow every optimizer step produces (entropy_flow/lambda, increase, decrease, net, token "
+        "fractions) for every method. Cheap for the log-prob based estimates.",
+    )
+    entropy_flow_audit_steps: int = setting(
+        0,
+        "Every k-th optimizer step (0: never), re-score that step's batch after the update without gradients and log "
+        "entropy_flow/measured_delta, the measured change of its mean token entropy (per-token differences summed in "
+        "float64). For 'param' also entropy_flow/predicted_delta (the first-order change of the step from its real "
+        "gradient and the optimizer's state) and entropy_flow/step_first_order (from the real parameter change). One "
+        "no-grad forward per audited step.",
+    )
+    vocab_stats_token_chunk_size: int = setting(512, "Tokens per tile of the `full` estimate's vocabulary pass.")
+    vocab_stats_vocab_chunk_size: int = setting(
+        16384, "Vocabulary entries per tile of the `full` estimate's vocabulary pass."
+    )
+
+
+# The settings of every built-in method are bases, so that registering a built-in method in opefo_trl.methods is
+# all it takes to make its options fields here (mypy cannot follow a computed base list: the fields it does not see
+# are checked by the tests, tests/trainer/test_config.py).
+@dataclass
+class OPEFOConfig(GRPOConfig, EntropyFlowSettings, *settings_classes(BUILTIN_METHODS)):  # type: ignore[misc]
+    r"""
+    Configuration for [`OPEFOTrainer`]: every [`~trl.GRPOConfig`] option, plus the method that weights or penalises
+    tokens, its settings, and the entropy-flow settings. The defaults give OPEFO as in the paper (strict on-policy,
+    lambda* from the `opefo` entropy-flow estimate over the whole rollout batch, both sets rescaled).
+
+    Baselines of the paper's comparison are configurations, not new trainers: the methods table
+    (`opefo_trl.methods.methods_table()`, in the README) says how to configure each one.
+
+    Example:
+        >>> from opefo_trl import OPEFOConfig
+        >>> args = OPEFOConfig(output_dir="out", method="par", par_coef=0.5, use_cpu=True, bf16=False)
+        >>> args.method, args.par_coef, args.entropy_flow_estimate
+        ('par', 0.5, 'opefo')
+    """
+
+    method: str = setting(
+        DEFAULT_METHOD,
+        f"Token-level method: {method_choices(BUILTIN_METHODS)}; or a method registered with "
+        "opefo_trl.methods.register_token_method (its options: opefo_trl.trainer.config.config_class).",
+    )
+    cast_lm_head_to_fp32: bool = setting(
+        True,
+        "TRL's option, with another default here: project the LM head in float32, so that the log-probs and "
+        "entropies the entropy-flow statistics (and the loss) are computed from are not rounded to bf16. Measured on "
+        "a peaked model with Qwen's 151,936-token vocabulary, bf16 logits moved lambda* by up to 5.8e-4 per 4,096 "
+        "tokens (the paper's lambda* is ~1e-3); with the float32 head under bf16 autocast, at most 1.3e-4 "
+        "(benchmarks/README.md). No effect on float32 training; a float64 model keeps its float64 head (the option is "
+        "set False for it). Set False for GRPOConfig's default.",
+    )
+    allow_off_policy: bool = setting(
+        False,
+        "OPEFO is strictly on-policy (one optimizer step per rollout batch: num_iterations=1 and "
+        "steps_per_generation == gradient_accumulation_steps). Set True to run it off-policy anyway.",
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        validate_opefo_settings(self)
+
+
+def config_class(*methods: type[TokenMethod], base: type = OPEFOConfig) -> type:
+    """A config class with the options of ``methods`` as fields on top of ``base``'s: how a method registered outside
+    this package gets its options, as the built-in ones are ``OPEFOConfig``'s (``TrlParser([config_class(MyMethod),
+    ...])`` parses them like any other option).
+
+    Example:
+        >>> from opefo_trl.methods import PAR
+        >>> config_class(PAR) is OPEFOConfig  # a built-in method's options are OPEFOConfig's already
+        True
+    """
+    extra = tuple(s for s in settings_classes(methods) if not issubclass(base, s))
+    if not extra:
+        return base
+    name = base.__name__ + "With" + "".join(m.__name__ for m in methods)
+    return dataclass(type(name, (base, *extra), {"__module__": base.__module__}))
+
+
+def _opefo_fields() -> list[dataclasses.Field]:
+    """The fields OPEFOConfig adds to GRPOConfig."""
+    inherited = {f.name for f in dataclasses.fields(GRPOConfig)}
+    return [f for f in dataclasses.fields(OPEFOConfig) if f.name not in inherited]
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _uses_deepspeed(args) -> bool:
+    return bool(args.deepspeed) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def _uses_fsdp(args) -> bool:
+    return bool(args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def check_estimate_backend(estimate: str, *, deepspeed: bool, fsdp: bool, compiled: bool = False) -> None:
+    """Refuse an entropy-flow estimate the training backend cannot run, naming what to use instead (called with the
+    configuration's flags and again by the trainer with accelerate's state)."""
+    if estimate == "full" and compiled:
+        raise ValueError(
+            "entropy_flow_estimate='full' reads the backbone's hidden states through a forward hook, which a compiled "
+            "model does not run. Set torch_compile=False, or use a log-prob estimate ('opefo', 'onaction', 'sign')."
+        )
+    if estimate in ("full", "param") and fsdp:
+        raise ValueError(
+            f"entropy_flow_estimate={estimate!r} is not supported under FSDP (the LM head and the parameters are "
+            "sharded outside the forward). Use DDP (recipes/accelerate/ddp.yaml), DeepSpeed ZeRO-3 for 'full', or a "
+            "log-prob estimate ('opefo', 'onaction', 'sign')."
+        )
+    if estimate == "param" and deepspeed:
+        raise ValueError(
+            "entropy_flow_estimate='param' perturbs the trainable parameters in float32, which DeepSpeed holds as "
+            "bf16 copies of fp32 master weights (ZeRO-3 also partitions them). Use DDP (recipes/accelerate/ddp.yaml, "
+            "e.g. with LoRA), or 'full' / a log-prob estimate under DeepSpeed."
+        )
+
+
+def validate_opefo_settings(args) -> None:
+    """Check the OPEFO options of ``args`` (an OPEFOConfig, or a GRPOConfig given them by `with_opefo_settings`).
+
+    Raises ValueError naming the option and a fix that works for the object the user passed; nothing that can be
+    checked without the model waits for training. The selected method checks its own settings (built here) and what
+    it cannot run with (`check_config`); what every method shares is checked here.
+    """
+    # GRPOConfig only rejects some of these when the first batch reaches them: fail at configuration time.
+    for name, valid in TRL_CHOICES.items():
+        check_choice(name, getattr(args, name), valid)
+    method_class = get_token_method_class(args.method)  # unknown name: error listing the valid ones
+    method_class.settings_from(args)  # the selected method's settings validate on construction
+    _refuse_settings_of_other_methods(args, method_class)
+    method_class.check_config(args)
+    check_choice("entropy_flow_estimate", args.entropy_flow_estimate, FLOW_ESTIMATES)
+    check_choice("entropy_flow_preconditioner", args.entropy_flow_preconditioner, PRECONDITIONERS)
+    if args.entropy_flow_audit_steps < 0:
+        raise ValueError(f"entropy_flow_audit_steps must be >= 0 (0: off); got {args.entropy_flow_audit_steps}.")
+    if args.vocab_stats_token_chunk_size < 1 or args.vocab_stats_vocab_chunk_size < 1:
+        raise ValueError("vocab_stats_token_chunk_size and vocab_stats_vocab_chunk_size must be >= 1.")
+    if method_class.needs_rollout_pass or args.entropy_flow_diagnostics:  # the estimate is computed
+        if args.entropy_flow_estimate == "param":
+            _check_param_optimizer(args)
+        check_estimate_backend(
+            args.entropy_flow_estimate,
+            deepspeed=_uses_deepspeed(args),
+            fsdp=_uses_fsdp(args),
+            compiled=args.torch_compile,
+        )
+
+
+def _check_param_optimizer(args) -> None:
+    """The `param` preconditioner must describe the optimizer that will step (a custom optimizer passed to the
+    trainer is checked again when it is created)."""
+    optim = str(getattr(args.optim, "value", args.optim))
+    preconditioner = args.entropy_flow_preconditioner
+    if optim not in PRECONDITIONER_OPTIMS[preconditioner]:
+        other = "none" if preconditioner == "adam" else "adam"
+        raise ValueError(
+            f"entropy_flow_preconditioner={preconditioner!r} models the update of "
+            f"{' / '.join(PRECONDITIONER_OPTIMS[preconditioner])}, but optim={optim!r}: lambda would balance a step "
+            f"that never happens and entropy_flow/predicted_delta would describe it. Set optim="
+            f"{PRECONDITIONER_OPTIMS[preconditioner][0]!r}, or entropy_flow_preconditioner={other!r} with optim="
+            f"{PRECONDITIONER_OPTIMS[other][0]!r}."
+        )
+
+
+def _refuse_settings_of_other_methods(args, method_class) -> None:
+    """A non-default setting of a method that is not selected would be silently ignored: refuse it."""
+    own = {f.name for f in dataclasses.fields(method_class.Settings)}
+    for name, other in TOKEN_METHODS.items():
+        if other is method_class:
+            continue
+        for f in dataclasses.fields(other.Settings):
+            if f.name in own or not hasattr(args, f.name):
+                continue
+            if getattr(args, f.name) != _default(f):
+                raise ValueError(
+                    f"{f.name}={getattr(args, f.name)!r} is a setting of method={name!r} and has no effect with "
+                    f"method={args.method!r}. Remove it, or set method={name!r}."
+                )
+
+
+def with_opefo_settings(args: GRPOConfig) -> OPEFOConfig:
+    """Give a plain `GRPOConfig` (or a user's subclass) the OPEFO options, in place, and validate them.
+
+    The object keeps its class, its identity and its own extra fields, as `GRPOTrainer` keeps the config it is
+    given; options it already has as attributes (e.g. ``args.method = "grpo"`` set by the user) are kept.
+
+    >>> from trl import GRPOConfig
+    >>> args = GRPOConfig(output_dir="out", use_cpu=True, bf16=False)
+    >>> with_opefo_settings(args) is args, args.method, type(args).__name__
+    (True, 'opefo', 'GRPOConfig')
+    """
+    if not isinstance(args, GRPOConfig):
+        raise TypeError(f"OPEFOTrainer expects an OPEFOConfig or a GRPOConfig, got {type(args).__name__}.")
+    if not isinstance(args, OPEFOConfig):
+        for f in _opefo_fields():
+            if not hasattr(args, f.name):
+                setattr(args, f.name, _default(f))
+        validate_opefo_settings(args)
+    # Typed as an OPEFOConfig: it now has every attribute of one, whatever its class.
+    return cast(OPEFOConfig, args)
+
+
+__all__ = [
+    "EntropyFlowSettings",
+    "OPEFOConfig",
+    "TOKEN_METHODS",
+    "check_estimate_backend",
+    "config_class",
+    "validate_opefo_settings",
+    "with_opefo_settings",
+]

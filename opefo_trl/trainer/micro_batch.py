@@ -1,0 +1,139 @@
+"""Every micro-batch TRL trains on: what the token method adds to its loss, and the end of each optimizer step.
+
+`GRPOTrainer._compute_loss` scores the micro-batch (`_get_per_token_logps_and_entropies`) *before* it reads
+``inputs["advantages"]``, so the method's weights are written into the advantages inside that call: the weights of a
+deferred rollout and of PAR / Clip-Cov depend on the training forward's log-probs (pinned by
+``test_trl_reads_the_advantages_after_the_scoring_call``). One :class:`LossCall` is one loss forward: it works on a
+copy of TRL's dict (the method may replace ``advantages``, and TRL reuses buffered micro-batches when
+``num_iterations > 1``) and observes that scoring call; :class:`MicroBatchWeigher` applies the method there, adds its
+extra per-token loss aggregated like TRL's policy loss, sums the step's entropy-flow diagnostics, and at the optimizer
+step's end runs the method's controllers and logs.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from opefo_trl.maths.entropy_flow import TABULAR_ESTIMATES, FlowStats, flow_per_unit_advantage, flow_stats
+from opefo_trl.methods import MethodContext, TokenBatch, TokenMethod
+from opefo_trl.trainer.batch_state import STATE_KEY, MicroBatchState, per_token
+from opefo_trl.trainer.loss_mirror import LossMirror
+
+
+class LossCall:
+    """One micro-batch's loss forward: TRL's dict copied, its state, and what the method made of it; it observes the
+    forward's scoring call (``OPEFOTrainer._get_per_token_logps_and_entropies``)."""
+
+    def __init__(self, weigher: MicroBatchWeigher, inputs: dict):
+        self.weigher = weigher
+        self.inputs = dict(inputs)
+        self.state: MicroBatchState | None = inputs.get(STATE_KEY)
+        self.needs_vocab_stats = weigher.needs_vocab_stats(self.state)
+        self.extra_loss: torch.Tensor | None = None
+        self.weighted = False  # the deferred rollout weights were applied
+        self.entropies_before: torch.Tensor | None = None  # for the audit
+        self.full_precision = False  # the precision entropies_before were taken in
+
+    def accepts(self, model) -> bool:
+        return True  # the loss scores only the policy (possibly DDP/DeepSpeed-wrapped)
+
+    def observe(self, logps: torch.Tensor, entropies: torch.Tensor, vocab: tuple) -> None:
+        self.weigher.apply(self, logps, entropies, vocab)
+
+
+class MicroBatchWeigher:
+    """Args:
+    method: the token method.
+    estimate: ``entropy_flow_estimate``; ``diagnostics``: ``entropy_flow_diagnostics``.
+    rollout_flow: the rollout pass computes factor and flow (then the loss reads them from the micro-batch's state).
+    loss: TRL's loss factor and aggregation.
+    reduce_sum: sums a tensor over ranks; ``log_metrics``: where metrics go; ``main_process``: warnings go there.
+    """
+
+    def __init__(
+        self,
+        method: TokenMethod,
+        estimate: str,
+        diagnostics: bool,
+        rollout_flow: bool,
+        loss: LossMirror,
+        reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+        log_metrics: Callable[[dict[str, float]], None],
+        main_process: bool,
+    ):
+        self.method, self.estimate, self.diagnostics, self.rollout_flow = method, estimate, diagnostics, rollout_flow
+        self.loss, self.log_metrics, self.main_process = loss, log_metrics, main_process
+        self.context = MethodContext(reduce_sum)
+        self.step_flow: FlowStats | None = None  # the unweighted (GRPO) update's flow, summed over the step
+
+    def needs_vocab_stats(self, state: MicroBatchState | None) -> bool:
+        """Whether the loss forward's `full` statistics are needed (the rollout pass did not compute them)."""
+        deferred = state is not None and state.deferred
+        return self.estimate == "full" and (deferred or (self.diagnostics and not self.rollout_flow))
+
+    def loss_call(self, inputs: dict) -> LossCall:
+        return LossCall(self, inputs)
+
+    def apply(self, call: LossCall, logps: torch.Tensor, entropies: torch.Tensor, vocab: tuple) -> None:
+        """The method's weights and extra loss for the micro-batch, from the training forward's log pi_t and H_t."""
+        inputs, state = call.inputs, call.state
+        deferred = state is not None and state.deferred
+        logps_detached, entropies = logps.detach(), entropies.detach()
+        original = per_token(inputs["advantages"], logps_detached).float() if state is None else state.advantages
+        if state is not None and not deferred:  # computed for the whole rollout batch
+            unit, factor = state.unit_flow, state.factor
+            assert factor is not None  # the rollout pass sets both
+        else:
+            factor = self.loss.factor(inputs, logps_detached, entropies, inputs["advantages"])
+            unit = None
+            if deferred or (self.diagnostics and self.estimate in TABULAR_ESTIMATES):
+                unit = flow_per_unit_advantage(logps_detached, entropies, self.estimate, *vocab)
+        advantages = per_token(inputs["advantages"], logps_detached)
+        old_logps = inputs.get("old_per_token_logps")
+        if deferred:
+            assert unit is not None  # computed above for the deferred weights
+            rollout = TokenBatch(logps_detached, entropies, original, factor, original * unit, old_logps)
+            weights = self.method.rollout_weights(rollout, self.context)
+            if weights is not None:  # None: unweighted, as in RolloutWeigher.prepare
+                advantages = advantages * weights
+            call.weighted = True
+        batch = TokenBatch(
+            logps_detached, entropies, advantages, factor, None if unit is None else advantages * unit, old_logps
+        )
+        terms = self.method.micro_batch_terms(batch, logps, self.context)
+        if terms.weights is not None:
+            advantages = advantages * terms.weights
+        inputs["advantages"] = advantages
+        call.extra_loss = terms.extra_loss
+        if unit is not None and self.diagnostics:
+            stats = flow_stats(original * unit, factor)
+            self.step_flow = stats if self.step_flow is None else self.step_flow + stats
+        if state is not None and state.audit_entropies is not None:
+            call.entropies_before, call.full_precision = state.audit_entropies, True
+        else:
+            call.entropies_before = entropies
+
+    def finish(self, call: LossCall, loss: torch.Tensor) -> torch.Tensor:
+        """TRL's loss plus the method's extra per-token loss, aggregated like TRL's policy loss."""
+        if call.state is not None and call.state.deferred and not call.weighted:
+            raise RuntimeError(
+                "OPEFOTrainer: the rollout weights were deferred to the training forward but never applied; the loss "
+                "did not score completions through _get_per_token_logps_and_entropies (unsupported TRL code path)."
+            )
+        if call.extra_loss is not None:
+            loss = loss + self.loss.aggregate(call.extra_loss, call.inputs)
+        return loss
+
+    def end_optimizer_step(self) -> None:
+        """After the last micro-batch of an optimizer step: controllers, then step-level metrics (all ranks)."""
+        self.method.on_optimizer_step(self.context)
+        self.log_metrics(self.method.pop_metrics())
+        if self.step_flow is not None:
+            self.log_metrics(FlowStats.from_tensor(self.context.reduce_sum(self.step_flow.to_tensor())).metrics())
+            self.step_flow = None
+        message = self.method.regime_warning()
+        if message and self.main_process:
+            warnings.warn(message, stacklevel=3)

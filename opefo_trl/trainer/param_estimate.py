@@ -1,0 +1,127 @@
+"""The `param` estimate over a rollout batch's micro-batches, and the step model it offers a method
+(`opefo_trl.maths.param_flow`, `opefo_trl.maths.step_model`).
+
+The estimator runs in full precision on the unwrapped model (no DDP hooks: it all-reduces its gradients itself)
+with the trainer's scoring function; the loss coefficients c_t = f_t A_t are those of the loss TRL will apply,
+unweighted. The step model (``step_change``) is built only when a method asks for it (OPEFO's step balance).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from opefo_trl.maths.param_flow import ParamFlow, ParamFlowEstimator, warn_imprecise
+from opefo_trl.maths.step_model import check_optimizer
+from opefo_trl.methods import StepChange
+from opefo_trl.trainer.batch_state import Scores
+from opefo_trl.trainer.loss_mirror import LossMirror
+
+
+@dataclass
+class RolloutItem:
+    """One micro-batch of a rollout being weighted: TRL's dict, its unweighted per-token advantages, and what the
+    rollout pass finds for it (the scores, f_t, u_t and, with `param`, the full-precision entropies for the audit)."""
+
+    batch: dict
+    advantages: torch.Tensor
+    scores: Scores | None = None
+    factor: torch.Tensor | None = None
+    unit_flow: torch.Tensor | None = None
+    audit_entropies: torch.Tensor | None = None
+
+
+class ParamEstimate:
+    """Runs the `param` estimator for each rollout batch and builds its step model on request.
+
+    Args:
+        params: the trainable parameters, read when an estimate starts.
+        score: the full-precision scoring forward of a TRL micro-batch (``Scorer.score_full_precision``).
+        loss: TRL's loss factor (``LossMirror``).
+        reduce_sum: sums a tensor over ranks; ``num_processes`` ranks.
+        optimizer: the torch optimizer whose next step D and the step model describe.
+        max_grad_norm: the Trainer's gradient clipping.
+        log_metrics: where ``entropy_flow/param_check_error`` and ``param_lambda_error`` go.
+        main_process: warnings are issued there only.
+    """
+
+    def __init__(
+        self,
+        params: Callable[[], list[torch.Tensor]],
+        score: Callable[[dict], Scores],
+        loss: LossMirror,
+        reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+        num_processes: int,
+        optimizer: Callable[[], torch.optim.Optimizer],
+        max_grad_norm: float | None,
+        log_metrics: Callable[[dict[str, float]], None],
+        main_process: bool,
+    ):
+        self.params, self.score, self.loss = params, score, loss
+        self.reduce_sum, self.num_processes = reduce_sum, num_processes
+        self.optimizer, self.max_grad_norm = optimizer, max_grad_norm
+        self.log_metrics, self.main_process = log_metrics, main_process
+        self._warned_imprecise = False
+
+    @staticmethod
+    def check_optimizer(optimizer: torch.optim.Optimizer, preconditioner: str) -> None:
+        """Refuse an optimizer whose update the preconditioner does not model (accelerate's wrapper looked into)."""
+        check_optimizer(getattr(optimizer, "optimizer", optimizer), preconditioner)
+
+    def _score(self, item: RolloutItem) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.score(item.batch)
+        return scores.logps, scores.entropies
+
+    def _estimator(self) -> ParamFlowEstimator:
+        return ParamFlowEstimator(
+            self.params(),
+            self._score,
+            self.reduce_sum,
+            optimizer=self.optimizer(),
+            max_grad_norm=self.max_grad_norm,
+            score_dtype=torch.float32,  # TRL's fused head computes in float32, also for float64 weights
+        )
+
+    def estimate(self, items: Sequence[RolloutItem]) -> tuple[ParamFlowEstimator, ParamFlow]:
+        """u_t of every micro-batch; fills in each item's scores (where TRL's pass gave none), factor and audit
+        entropies."""
+        estimator = self._estimator()
+
+        def coefficients(item: RolloutItem, logps: torch.Tensor, entropies: torch.Tensor) -> torch.Tensor:
+            if item.scores is None:
+                item.scores = Scores(logps.float(), entropies.float())
+            item.audit_entropies = entropies
+            item.factor = self.loss.factor(item.batch, item.scores.logps, item.scores.entropies, item.advantages)
+            return item.factor * item.advantages
+
+        masks = [self.loss.mask(item.batch).float() for item in items]
+        flow = estimator.estimate(items, masks, coefficients)
+        self.log_metrics({"entropy_flow/param_check_error": flow.check_error})
+        self.log_metrics({"entropy_flow/param_lambda_error": flow.lambda_error})
+        message = warn_imprecise(flow, estimator.relative_steps)
+        if message and not self._warned_imprecise and self.main_process:
+            self._warned_imprecise = True
+            warnings.warn(message + " (Warned once.)", stacklevel=2)
+        return estimator, flow
+
+    def step_change(
+        self, estimator: ParamFlowEstimator, flow: ParamFlow, items: Sequence[RolloutItem], signs: torch.Tensor
+    ) -> StepChange:
+        """F(lambda) of the real next optimizer step with the rollout's tokens weighted 1 + lambda * signs (``signs``
+        over the whole local rollout batch), identical on every rank."""
+        sizes = [len(item.advantages) for item in items]
+        signed = [s * c for s, c in zip(signs.split(sizes), flow.coefficients, strict=True)]
+        change = estimator.step_model(flow, estimator.signed_gradient(items, signed)).change
+        if self.num_processes == 1:
+            return change
+
+        # Every rank computes F from the same reduced gradients and replicated optimizer state; averaging makes the
+        # root search bit-identical on all of them.
+        def averaged(lam: float) -> float:
+            value = torch.tensor([change(lam)], dtype=torch.float64, device=signs.device)
+            return float(self.reduce_sum(value)[0]) / self.num_processes
+
+        return averaged

@@ -1,0 +1,185 @@
+"""Once per rollout batch: every token's loss factor f_t and entropy flow u_t, and the method's rollout weights.
+
+A method that needs the whole rollout batch before the first backward (``needs_rollout_pass``, OPEFO's lambda*), or
+the `param` diagnostics, gets from :class:`RolloutWeigher`, for every micro-batch TRL will train on, log pi_t and H_t
+of the current policy (from TRL's own no-grad old-log-prob pass when it runs one, else one no-grad pass of the
+trainer's, or, for a rollout batch that is a single micro-batch, the training forward itself), the per-token factor of
+the loss TRL applies, and the flow; the method turns them into detached fp32 token weights (its sums reduced over
+ranks) and each micro-batch's ``advantages`` become ``advantages * weights``, (B, T). TRL accepts (B, T) advantages
+everywhere, and since the weights are >= 0 this is exactly the reweighted loss for every loss type.
+
+The weigher's state between TRL's generation and its split into micro-batches is one :class:`RolloutState`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from opefo_trl.maths.entropy_flow import TABULAR_ESTIMATES, flow_per_unit_advantage
+from opefo_trl.methods import MethodContext, TokenBatch, TokenMethod
+from opefo_trl.trainer.audit import EntropyAudit
+from opefo_trl.trainer.batch_state import (
+    MULTIMODAL_KEYS,
+    ROLLOUT_ROW_KEY,
+    STATE_KEY,
+    MicroBatchState,
+    Scores,
+    per_token,
+)
+from opefo_trl.trainer.loss_mirror import LossMirror
+from opefo_trl.trainer.param_estimate import ParamEstimate, RolloutItem
+from opefo_trl.trainer.scoring import Scorer
+
+
+@dataclass
+class RolloutCapture:
+    """Observes TRL's old-log-prob pass over a rollout being generated: the first scoring call on the policy (the
+    reference pass, when there is one, comes after it; with PEFT it runs on the policy with its adapter off)."""
+
+    ref_model: Any
+    needs_vocab_stats: bool
+    scores: Scores | None = None
+
+    def accepts(self, model: Any) -> bool:
+        return self.scores is None and model is not self.ref_model
+
+    def observe(self, logps: torch.Tensor, entropies: torch.Tensor, vocab: tuple) -> None:
+        self.scores = Scores(logps.detach(), entropies.detach(), *vocab)
+
+
+@dataclass
+class RolloutState:
+    """Between TRL's generation of a rollout batch and its split into micro-batches (``RolloutWeigher.prepare``)."""
+
+    pending: bool = False  # a rollout batch was generated and awaits its weights
+    captured: Scores | None = None  # TRL's old-log-prob pass over it, by rollout row
+
+
+class RolloutWeigher:
+    """Args:
+    method: the token method.
+    estimate: ``entropy_flow_estimate``.
+    loss: TRL's loss factor; ``scorer``: the trainer's scoring forwards.
+    param: the `param` estimate (None with a tabular estimate).
+    audit: keeps the `param` estimate of an audited step.
+    reduce_sum: sums a tensor over ranks.
+    num_iterations: TRL's updates per rollout batch.
+    trl_scores_rollout: whether TRL runs its own old-log-prob pass over a rollout.
+    """
+
+    def __init__(
+        self,
+        method: TokenMethod,
+        estimate: str,
+        loss: LossMirror,
+        scorer: Scorer,
+        param: ParamEstimate | None,
+        audit: EntropyAudit,
+        reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+        num_iterations: int,
+        trl_scores_rollout: bool,
+    ):
+        self.method, self.estimate, self.loss, self.scorer = method, estimate, loss, scorer
+        self.param, self.audit, self.reduce_sum = param, audit, reduce_sum
+        self.num_iterations, self.trl_scores_rollout = num_iterations, trl_scores_rollout
+        self.state = RolloutState()
+
+    def capture(self, ref_model: Any) -> RolloutCapture | None:
+        """What observes TRL's old-log-prob pass of the rollout about to be generated (None: TRL runs none)."""
+        return RolloutCapture(ref_model, self.estimate == "full") if self.trl_scores_rollout else None
+
+    def generated(self, output: dict, capture: RolloutCapture | None) -> dict:
+        """TRL's rollout batch, with each completion's row when TRL's pass was captured (found again after TRL's
+        shuffle)."""
+        if capture is not None and capture.scores is not None:
+            old_logps = output.get("old_per_token_logps")
+            if old_logps is None or not torch.equal(capture.scores.logps, old_logps):
+                raise RuntimeError(
+                    "OPEFOTrainer captured a scoring pass that is not TRL's old-log-prob pass; this TRL version's "
+                    "_generate_and_score_completions differs from the supported one."
+                )
+            output[ROLLOUT_ROW_KEY] = torch.arange(len(old_logps), device=old_logps.device)
+            self.state.captured = capture.scores
+        self.state.pending = True
+        return output
+
+    def prepare(self, batches: list[dict]) -> None:
+        """Weigh the micro-batches of the rollout TRL has just generated and split (a no-op between rollouts)."""
+        if self.state.pending:
+            captured, self.state = self.state.captured, RolloutState()
+            self.weigh(batches, captured)
+
+    def weigh(self, batches: list[dict], captured: Scores | None = None) -> None:
+        """Factor, flow and weights of every micro-batch of a rollout batch, in place (each gets its
+        ``MicroBatchState``); ``captured``: TRL's old-log-prob pass over it, by rollout row (``ROLLOUT_ROW_KEY``)."""
+        items = [
+            RolloutItem(
+                batch,
+                per_token(batch["advantages"], batch["completion_mask"]).float(),
+                None if captured is None else captured.rows(batch.pop(ROLLOUT_ROW_KEY)),
+            )
+            for batch in batches
+        ]
+        if captured is None:
+            if len(items) == 1 and self.num_iterations == 1 and self.estimate in TABULAR_ESTIMATES:
+                # The rollout batch is one micro-batch scored by the training forward with the same parameters:
+                # its weights are computed there, which saves a forward pass.
+                items[0].batch[STATE_KEY] = MicroBatchState(items[0].advantages, deferred=True)
+                return
+            multimodal = sorted(k for k in MULTIMODAL_KEYS if batches[0].get(k) is not None)
+            if multimodal:
+                raise NotImplementedError(
+                    f"OPEFOTrainer's own scoring passes are text-only, but this rollout has {multimodal}. Use one "
+                    "micro-batch per rollout (gradient_accumulation_steps=1) with a log-prob estimate, or vLLM with "
+                    "importance-sampling correction, whose scoring pass TRL runs with the images and OPEFO reuses."
+                )
+        context = MethodContext(self.reduce_sum)
+        flow = None
+        if self.param is not None:
+            estimator, flow = self.param.estimate(items)
+            context.step_model = partial(self.param.step_change, estimator, flow, items)
+        elif captured is None:
+            for item in items:
+                item.scores = self.scorer.score(item.batch, vocab=self.estimate == "full").detached()
+        token_batches = [self._flow(item, None if flow is None else flow.alignment[i]) for i, item in enumerate(items)]
+        whole = TokenBatch(
+            **{
+                f.name: torch.cat([getattr(b, f.name) for b in token_batches])
+                for f in dataclasses.fields(TokenBatch)
+                if isinstance(getattr(token_batches[0], f.name), torch.Tensor)
+            }
+        )
+        weights = self.method.rollout_weights(whole, context)
+        parts = [None] * len(items) if weights is None else weights.split([len(b.logps) for b in token_batches])
+        for item, part in zip(items, parts, strict=True):
+            if part is not None:
+                item.batch["advantages"] = item.advantages * part
+            item.batch[STATE_KEY] = MicroBatchState(
+                item.advantages, item.factor, item.unit_flow, audit_entropies=item.audit_entropies
+            )
+        if flow is not None:
+            self.audit.keep_param_flow(flow)
+
+    def _flow(self, item: RolloutItem, alignment: torch.Tensor | None) -> TokenBatch:
+        """The micro-batch's f_t and u_t (kept on the item) and its TokenBatch with the flow d_t = A_t u_t."""
+        scores = item.scores
+        assert scores is not None  # TRL's pass, the `param` estimate or the scoring pass above gave them
+        if item.factor is None:
+            item.factor = self.loss.factor(item.batch, scores.logps, scores.entropies, item.advantages)
+        item.unit_flow = flow_per_unit_advantage(
+            scores.logps, scores.entropies, self.estimate, *scores.vocab, alignment
+        )
+        return TokenBatch(
+            logps=scores.logps,
+            entropies=scores.entropies,
+            advantages=item.advantages,
+            factor=item.factor,
+            flow=item.advantages * item.unit_flow,
+            old_logps=item.batch.get("old_per_token_logps"),
+        )

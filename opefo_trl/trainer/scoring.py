@@ -1,0 +1,165 @@
+"""The trainer's own scoring forwards, and the full-vocabulary statistics of the `full` estimate.
+
+:class:`Scorer` scores a TRL micro-batch's completion tokens (`Scores`: log pi_t, H_t, and for `full` the two
+vocabulary sums) by one of two forwards:
+
+- :meth:`Scorer.score`: TRL's own no-grad scoring path (`GRPOTrainer._get_per_token_logps_and_entropies`) in the
+  training precision; with ``vocab``, also sum pi^2 and sum pi^2 log pi from the hidden states of the same forward;
+- :meth:`Scorer.score_full_precision`: the fused forward in the parameters' own precision (float32 / float64) with
+  autocast off, differentiable when grad is enabled, as the `param` estimate needs. Accelerate's mixed-precision
+  wrapper re-enables autocast inside ``model.forward``, so the forward it wraps is called.
+
+:meth:`Scorer.capture_hidden_states` collects the backbone's final hidden states of the forwards inside a block (a
+forward hook that lives only for the block), from which :meth:`Scorer.vocab_stats` projects the LM head in token x
+vocabulary tiles (`opefo_trl.maths.vocab_stats`) without materialising [tokens, vocab] logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+from opefo_trl.maths.vocab_stats import vocab_stats
+from opefo_trl.trainer.batch_state import Scores, sequence
+
+#: TRL's scoring function: (model, input_ids, attention_mask, logits_to_keep, batch_size=, compute_entropy=) ->
+#: (logps, entropies, aux_loss), `GRPOTrainer._get_per_token_logps_and_entropies` bound to the trainer.
+TrlScore = Callable[..., tuple[torch.Tensor, torch.Tensor, Any]]
+
+
+def logit_scale(text_config) -> float:
+    """The multiplier TRL's fused head applies to the logits (same lookup as `trl.trainer.utils.add_fused_lm_head`)."""
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        if getattr(text_config, name, None) is not None:
+            return getattr(text_config, name)
+    if getattr(text_config, "logits_scaling", None) is not None:
+        scaling = text_config.logits_scaling
+        return scaling if text_config.model_type == "hyperclovax" else 1 / scaling
+    return 1.0
+
+
+def core_model(model: Any) -> Any:
+    """The causal LM carrying the fused head: a PEFT model's base model, else the (unwrapped) model itself."""
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model
+
+
+@dataclass
+class Scorer:
+    """Scoring forwards of the policy ``model()`` (the trainer's model, wrapped by accelerate once training starts).
+
+    Args:
+        model: returns the policy as the Trainer holds it (possibly DDP/DeepSpeed-wrapped).
+        unwrap: accelerate's ``unwrap_model``.
+        trl_score: TRL's scoring function (``TrlScore``).
+        autocast: accelerate's ``autocast`` context (the training precision of the default forward).
+        temperature: the training temperature the logits are divided by.
+        head_in_float32: whether the LM head projects in float32 (``cast_lm_head_to_fp32``).
+        batch_size: the micro-batch size TRL scores in (``per_device_train_batch_size``).
+        checkpointing_kwargs: ``gradient_checkpointing_kwargs``.
+        token_chunk_size, vocab_chunk_size: tiles of the vocabulary pass.
+    """
+
+    model: Callable[[], Any]
+    unwrap: Callable[[Any], Any]
+    trl_score: TrlScore
+    autocast: Callable[[], AbstractContextManager]
+    temperature: float
+    head_in_float32: bool
+    batch_size: int
+    checkpointing_kwargs: dict | None = None
+    token_chunk_size: int = 512
+    vocab_chunk_size: int = 16384
+
+    def core(self) -> Any:
+        return core_model(self.unwrap(self.model()))
+
+    def score(self, batch: dict, *, vocab: bool = False) -> Scores:
+        """TRL's no-grad scoring pass in the training precision (with ``vocab``, the vocabulary sums too)."""
+        input_ids, attention_mask, length = sequence(batch)
+        model = self.model()
+        with (
+            torch.no_grad(),
+            disable_gradient_checkpointing(model, self.checkpointing_kwargs),
+            self.capture_hidden_states(vocab) as hidden,
+        ):
+            logps, entropies, _ = self.trl_score(
+                model, input_ids, attention_mask, length, batch_size=self.batch_size, compute_entropy=True
+            )
+        return Scores(logps, entropies, *self.vocab_stats(hidden, length))
+
+    def score_full_precision(self, batch: dict) -> Scores:
+        """The fused forward in the parameters' precision, autocast off; differentiable when grad is enabled."""
+        input_ids, attention_mask, length = sequence(batch)
+        model = self.unwrap(self.model())
+        forward = getattr(model, "_original_forward", model.forward)
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+        labels[:, :-length] = -100  # only the completion is scored, as in TRL
+        # torch.autograd.grad works through non-reentrant checkpointing (transformers 5's default), not reentrant.
+        keep_checkpointing = torch.is_grad_enabled() and not (self.checkpointing_kwargs or {}).get("use_reentrant")
+        checkpointing = (
+            nullcontext()
+            if keep_checkpointing
+            else disable_gradient_checkpointing(self.model(), self.checkpointing_kwargs)
+        )
+        with checkpointing, torch.autocast(input_ids.device.type, enabled=False):
+            output = forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
+        return Scores(output.log_probs[:, -length:], output.entropy[:, -length:])
+
+    @contextmanager
+    def capture_hidden_states(self, enabled: bool) -> Iterator[list[torch.Tensor]]:
+        """The backbone's final hidden states of every forward inside the block (empty when not ``enabled``)."""
+        chunks: list[torch.Tensor] = []
+        if not enabled:
+            yield chunks
+            return
+
+        def keep(module, args, output):
+            hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+            chunks.append(hidden.detach())
+
+        handle = self.core().base_model.register_forward_hook(keep)
+        try:
+            yield chunks
+        finally:
+            handle.remove()
+
+    @torch.no_grad()
+    def vocab_stats(
+        self, hidden: list[torch.Tensor], logits_to_keep: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """sum pi^2 and sum pi^2 log pi at the completion positions, (B, T), from captured hidden states (None, None
+        without), in the precision of TRL's fused head (its autocast dtype, or fp32 with ``head_in_float32``)."""
+        if not hidden:
+            return None, None
+        core = self.core()
+        text_config = core.config.get_text_config()
+        head = core.get_output_embeddings()
+        # Position i predicts token i + 1: the completion's T tokens are predicted from hidden[-T-1:-1].
+        states = torch.cat(hidden)[:, -logits_to_keep - 1 : -1]
+        device_type = states.device.type
+        if self.head_in_float32:
+            compute_dtype = torch.float32
+        else:
+            with self.autocast():
+                autocast_on = torch.is_autocast_enabled(device_type)
+                compute_dtype = torch.get_autocast_dtype(device_type) if autocast_on else states.dtype
+        with maybe_gather_lm_head_ctx(head.weight, head.bias):
+            stats = vocab_stats(
+                states,
+                head.weight,
+                head.bias,
+                temperature=self.temperature,
+                logit_scale=logit_scale(text_config),
+                softcap=getattr(text_config, "final_logit_softcapping", None),
+                compute_dtype=compute_dtype,
+                token_chunk_size=self.token_chunk_size,
+                vocab_chunk_size=self.vocab_chunk_size,
+            )
+        return stats.sum_sq_probs, stats.sum_sq_probs_log_probs

@@ -1,0 +1,359 @@
+"""The `param` estimate and the exact step balance on a tiny float64 network (docs/algorithm.md section 4), checked
+against what does not share their construction: autograd's per-token gradients, the measured entropy change of a real
+SGD or torch AdamW step, the parameters that step really wrote, and a float64 reference of a float32 run."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from opefo_trl.maths.entropy_flow import entropy_flow, flow_stats, token_weights, weight_signs
+from opefo_trl.maths.param_flow import (
+    FD_RELATIVE_STEPS,
+    ParamFlowEstimator,
+    evaluate_on_both_sides,
+    finite_difference_step,
+    relative_error,
+)
+from opefo_trl.maths.step_model import (
+    StepModel,
+    check_optimizer,
+    first_order_change,
+    inner,
+    optimizer_update,
+    param_groups,
+    solve_step_balance,
+)
+
+PROMPT, COMPLETION, BATCH = 4, 6, 16
+
+
+@pytest.fixture(scope="module")
+def network(keep_dtype_rms_norm):
+    """A random fp64 Qwen2 whose head is scaled so that its policies are peaked (far from the maximum entropy)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    model = keep_dtype_rms_norm(Qwen2ForCausalLM(config).double())
+    with torch.no_grad():
+        model.lm_head.weight.mul_(25.0)
+    return model
+
+
+@pytest.fixture
+def restored_network(network):
+    saved = [p.detach().clone() for p in network.parameters()]
+    yield network
+    with torch.no_grad():
+        for p, s in zip(network.parameters(), saved, strict=True):
+            p.copy_(s)
+
+
+def _rollout(model, seed):
+    """Sampled completions of random prompts, their GRPO-style advantages and a token-mean loss factor."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, 40, (BATCH, PROMPT), generator=gen)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        sequences = model.generate(prompts, do_sample=True, max_new_tokens=COMPLETION, min_new_tokens=COMPLETION)
+    rewards = torch.randint(0, 2, (BATCH,), generator=gen).to(model.dtype)
+    advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+    factor = torch.full((BATCH, COMPLETION), 1.0 / (BATCH * COMPLETION), dtype=model.dtype)
+    return sequences, advantages, factor
+
+
+def _scorer(model):
+    def score(sequences):
+        """log pi_t and H_t of the completion tokens (teacher forced), with the graph when grad is enabled."""
+        logits = model(sequences).logits[:, PROMPT - 1 : -1]
+        logp = torch.log_softmax(logits, -1)
+        return logp.gather(-1, sequences[:, PROMPT:, None])[..., 0], -(logp.exp() * logp).sum(-1)
+
+    return score
+
+
+def _mean_entropy(model, sequences):
+    with torch.no_grad():
+        return float(_scorer(model)(sequences)[1].mean())
+
+
+def _params(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _estimate(model, sequences, advantages, factor, optimizer=None, relative_steps=None):
+    estimator = ParamFlowEstimator(_params(model), _scorer(model), optimizer=optimizer)
+    if relative_steps is not None:
+        estimator.relative_steps = relative_steps
+    mask = torch.ones_like(factor)
+    flow = estimator.estimate([sequences], [mask], lambda batch, logps, entropies: factor * advantages[:, None])
+    return estimator, flow
+
+
+def _loss(model, sequences, advantages, factor, weights=None):
+    """-sum_t f_t w_t A_t log pi_t: the policy-gradient loss a GRPO step descends."""
+    logps, _ = _scorer(model)(sequences)
+    weights = torch.ones_like(logps) if weights is None else weights
+    return -(factor * weights * advantages[:, None] * logps).sum()
+
+
+def _sgd_entropy_change(model, sequences, advantages, factor, eta, weights=None):
+    """Measured change of the mean entropy after one SGD step on the loss; parameters restored."""
+    params = _params(model)
+    gradient = torch.autograd.grad(_loss(model, sequences, advantages, factor, weights), params)
+    before = _mean_entropy(model, sequences)
+    plus, _ = evaluate_on_both_sides(params, [-g for g in gradient], eta, lambda: _mean_entropy(model, sequences))
+    return plus - before
+
+
+def test_finite_difference_alignment_is_the_exact_directional_derivative_per_token(network):
+    sequences, advantages, factor = _rollout(network, seed=0)
+    _, flow = _estimate(network, sequences, advantages, factor)
+    params = _params(network)
+    logps, _ = _scorer(network)(sequences)
+    direction = flow.entropy_grad  # D = identity without an optimizer
+    for b, t in [(0, 0), (3, 2), (7, 5), (15, 1)]:
+        exact = inner(torch.autograd.grad(logps[b, t], params, retain_graph=True), direction)
+        assert flow.alignment[0][b, t].item() == pytest.approx(exact, rel=1e-5, abs=1e-9)
+    assert flow.check_error < 1e-6 and flow.lambda_error < 1e-6
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_predicted_change_matches_a_small_sgd_step(network, seed):
+    sequences, advantages, factor = _rollout(network, seed)
+    _, flow = _estimate(network, sequences, advantages, factor)
+    eta = 1e-5
+    measured = _sgd_entropy_change(network, sequences, advantages, factor, eta)
+    net = float((flow.coefficients[0] * flow.alignment[0].double()).sum())  # sum_t c_t u_t
+    assert abs(measured) > 1e-8
+    assert relative_error(eta * net, measured) < 0.05
+
+
+def test_opefo_with_the_param_flow_cancels_the_measured_change_of_an_sgd_step(network):
+    ratios = []
+    for seed in range(3):
+        sequences, advantages, factor = _rollout(network, seed)
+        _, flow = _estimate(network, sequences, advantages, factor)
+        d = entropy_flow(flow.logps[0], flow.entropies[0], advantages, "param", entropy_alignment=flow.alignment[0])
+        weights = token_weights(d, flow_stats(d.double(), factor).lambda_star).double()
+        grpo = _sgd_entropy_change(network, sequences, advantages, factor, 1e-5)
+        opefo = _sgd_entropy_change(network, sequences, advantages, factor, 1e-5, weights)
+        ratios.append(abs(grpo) / abs(opefo))
+    assert min(ratios) >= 20, ratios
+
+
+def test_the_net_flow_check_bounds_the_lambda_error_of_a_float32_estimate(network, keep_dtype_rms_norm):
+    """lambda_error (|net_fd - net_exact| / gross, from the float32 run alone) bounds how far its lambda* is from a
+    float64 reference of the same weights, at every finite-difference step size, including those where curvature or
+    rounding dominate. A copy that compared the mean-entropy derivative only would not see the lambda* error."""
+    sequences, advantages, factor = _rollout(network, seed=3)
+    _, reference = _estimate(network, sequences, advantages, factor)
+    single = keep_dtype_rms_norm(copy.deepcopy(network).float())
+    for relative in (1e-3, 1e-4, 1e-5, 1e-6):
+        _, flow = _estimate(
+            single, sequences, advantages.float(), factor.float(), relative_steps=(relative,)
+        )  # fmt: skip
+        error = abs(flow.lambda_star - reference.lambda_star)
+        assert error <= 2 * flow.lambda_error + 1e-7, (relative, error, flow.lambda_error)
+    assert reference.lambda_error < 1e-7
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.1),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, amsgrad=True),
+        lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1),  # coupled weight decay
+        lambda ps: torch.optim.SGD(ps, lr=0.3),
+    ],
+    ids=["adamw", "adamw_amsgrad", "adam_coupled_decay", "sgd"],
+)
+def test_optimizer_update_is_the_change_torch_really_makes(make):
+    """optimizer_update, read from the state before the step, equals the parameters' change after torch's step, on
+    every step (bias corrections, moments, amsgrad, both weight decays), to float64 rounding."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(5, 3, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    optimizer = make(params)
+    for _ in range(4):
+        gradient = [torch.randn(p.shape, generator=gen, dtype=torch.float64) for p in params]
+        groups = param_groups(optimizer)
+        predicted = [optimizer_update(optimizer, groups[id(p)], p, g) for p, g in zip(params, gradient, strict=True)]
+        before = [p.detach().clone() for p in params]
+        for p, g in zip(params, gradient, strict=True):
+            p.grad = g.clone()
+        optimizer.step()
+        for p, b, u in zip(params, before, predicted, strict=True):
+            torch.testing.assert_close(p.detach() - b, u, rtol=1e-10, atol=1e-14)
+
+
+def test_the_step_model_is_the_first_order_change_of_the_real_clipped_adamw_step():
+    """change(lambda) = <h, delta theta> of torch's AdamW step with the clipped gradient a + lambda b: the gradient
+    clip depends on lambda through ||a + lambda b||, and the moments on lambda nonlinearly."""
+    gen = torch.Generator().manual_seed(1)
+    params = [torch.randn(4, 3, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    for _ in range(3):  # some history
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+        optimizer.step()
+    h, a, b = ([torch.randn(p.shape, generator=gen, dtype=torch.float64) for p in params] for _ in range(3))
+    model = StepModel(optimizer, params, h, a, b, max_grad_norm=1.0)
+    state = {p: {k: v.clone() for k, v in optimizer.state[p].items()} for p in params}
+    start = [p.detach().clone() for p in params]
+    for lam in (-0.9, 0.0, 0.4):
+        assert model.clip(lam) < 1.0  # the clip is active
+        predicted = model.change(lam)  # from the state before the step
+        for p, ga, gb in zip(params, a, b, strict=True):
+            p.grad = (ga + lam * gb) * model.clip(lam)
+        optimizer.step()
+        real = inner(h, [p.detach() - s for p, s in zip(params, start, strict=True)])
+        assert predicted == pytest.approx(real, rel=1e-9)
+        with torch.no_grad():
+            for p, s in zip(params, start, strict=True):
+                p.copy_(s)
+                optimizer.state[p] = {k: v.clone() for k, v in state[p].items()}
+
+
+class _RealAdamW:
+    """A torch AdamW (default betas) on the float64 network, and the real step it takes from its current state on
+    one batch with any token weights: the first-order change <grad Hbar, theta_after - theta_before> and the
+    measured change of the batch's mean entropy (state and parameters restored unless kept)."""
+
+    def __init__(self, model, lr):
+        self.model, self.params, self.lr = model, _params(model), lr
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0)
+
+    def step(self, batch, weights, entropy_grad, lr=None, keep=False):
+        sequences, advantages, factor = batch
+        saved = [p.detach().clone() for p in self.params]
+        state = {p: {k: v.clone() for k, v in self.optimizer.state[p].items()} for p in self.params}
+        before = _mean_entropy(self.model, sequences)
+        self.optimizer.zero_grad()
+        _loss(self.model, sequences, advantages, factor, weights).backward()
+        self.optimizer.param_groups[0]["lr"] = self.lr if lr is None else lr
+        self.optimizer.step()
+        self.optimizer.param_groups[0]["lr"] = self.lr
+        first_order = inner(entropy_grad, [p.detach() - s for p, s in zip(self.params, saved, strict=True)])
+        measured = _mean_entropy(self.model, sequences) - before
+        if not keep:
+            with torch.no_grad():
+                for p, s in zip(self.params, saved, strict=True):
+                    p.copy_(s)
+            for p in self.params:
+                self.optimizer.state[p] = state[p]
+        return first_order, measured
+
+
+def test_the_exact_step_balance_zeroes_the_real_adamw_step_from_the_first_step(restored_network):
+    """Real torch AdamW, default betas, steps 1..6 of a balanced trajectory: on every step the first-order entropy
+    change of the real step is <= 1e-3 of GRPO's on the same batch and state, and what is left of the measured change
+    is second order (it shrinks ~4x when the learning rate halves), while GRPO's halves."""
+    adamw = _RealAdamW(restored_network, lr=1e-5)
+    for step in range(6):
+        batch = _rollout(restored_network, seed=100 + step)
+        sequences, advantages, factor = batch
+        estimator, flow = _estimate(restored_network, *batch, optimizer=adamw.optimizer)
+        d = advantages[:, None] * flow.alignment[0].double()
+        signs = weight_signs(d)
+        model = estimator.step_model(flow, estimator.signed_gradient([sequences], [signs * flow.coefficients[0]]))
+        balance = solve_step_balance(model.change)
+        assert balance.bracketed and -1.0 < balance.lam < 1.0
+        weights = 1.0 + balance.lam * signs
+        grpo_first, grpo_measured = adamw.step(batch, None, flow.entropy_grad)
+        grpo_half = adamw.step(batch, None, flow.entropy_grad, lr=adamw.lr / 2)[1]
+        balanced_first, balanced_measured = adamw.step(batch, weights, flow.entropy_grad)
+        balanced_half = adamw.step(batch, weights, flow.entropy_grad, lr=adamw.lr / 2)[1]
+        assert grpo_first == pytest.approx(balance.unweighted, rel=1e-9)  # the model's lambda = 0 is GRPO's step
+        assert abs(balanced_first) <= 1e-3 * abs(grpo_first), (step, balanced_first, grpo_first)
+        assert grpo_half / grpo_measured == pytest.approx(0.5, abs=0.05)  # GRPO: first order
+        assert balanced_half / balanced_measured == pytest.approx(0.25, abs=0.05), step  # balanced: second order
+        assert abs(balanced_measured) <= 0.2 * abs(grpo_measured)
+        adamw.step(batch, weights, flow.entropy_grad, keep=True)  # the trajectory follows the balanced steps
+
+
+def test_solve_step_balance_finds_the_root_and_reports_an_unreachable_one():
+    result = solve_step_balance(lambda lam: -2e-3 + 1e-2 * lam + 3e-3 * lam**2)
+    assert result.bracketed and abs(result.residual) <= 1e-7 * 2e-3 and result.unweighted == -2e-3
+    assert result.lam == pytest.approx((-1e-2 + (1e-4 + 4 * 3e-3 * 2e-3) ** 0.5) / 6e-3, rel=1e-6)
+    assert result.evaluations < 15
+    unreachable = solve_step_balance(lambda lam: -1.0 + 0.1 * lam)
+    assert not unreachable.bracketed and unreachable.lam == 1.0 and unreachable.residual == pytest.approx(-0.9)
+    assert solve_step_balance(lambda lam: 0.0 * lam).lam == 0.0
+
+
+def test_first_order_change_skips_parameters_without_a_gradient():
+    p, q = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+    optimizer = torch.optim.SGD([p, q], lr=0.5)
+    h = [torch.ones(2), torch.ones(2)]
+    assert first_order_change(optimizer, [p, q], h, [torch.ones(2), None]) == pytest.approx(-1.0)
+
+
+def test_preconditioners_refuse_an_optimizer_they_do_not_model():
+    p = torch.zeros(3, requires_grad=True)
+    with pytest.raises(ValueError, match=r"'adam' models the update of Adam/AdamW, but the optimizer is SGD"):
+        check_optimizer(torch.optim.SGD([p], lr=0.1), "adam")
+    with pytest.raises(ValueError, match=r"'none' models the update of plain SGD, but the optimizer is AdamW"):
+        check_optimizer(torch.optim.AdamW([p]), "none")
+    with pytest.raises(ValueError, match="momentum=0.9"):
+        check_optimizer(torch.optim.SGD([p], lr=0.1, momentum=0.9), "none")
+    with pytest.raises(ValueError, match="maximize=True"):
+        check_optimizer(torch.optim.AdamW([p], maximize=True), "adam")
+    check_optimizer(torch.optim.Adam([p]), "adam")
+    check_optimizer(torch.optim.SGD([p], lr=0.1), "none")
+
+
+def test_parameters_are_restored_bit_for_bit_even_when_evaluation_fails():
+    p = torch.tensor([0.1, 0.2, 0.3], dtype=torch.float32)
+    original = p.clone()
+    values = evaluate_on_both_sides([p], [torch.tensor([1.0, 1.0, 1.0])], 1e-3, lambda: p.clone())
+    assert torch.equal(p, original)
+    torch.testing.assert_close(values[0] - values[1], torch.full((3,), 2e-3))
+    with pytest.raises(RuntimeError, match="boom"):
+        evaluate_on_both_sides([p], [torch.ones(3)], 0.5, lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert torch.equal(p, original)
+
+
+def test_step_size_is_relative_to_the_parameters_and_a_zero_direction_is_refused():
+    params, direction = [torch.full((4,), 10.0)], [torch.full((4,), 2.0)]
+    assert finite_difference_step(params, direction, 1e-4) == pytest.approx(1e-4 * 20.0 / 4.0)
+    with pytest.raises(ValueError, match="direction is zero"):
+        finite_difference_step(params, [torch.zeros(4)])
+
+
+def test_the_estimator_refuses_parameters_it_cannot_difference():
+    with pytest.raises(ValueError, match=r"float32 or float64 forwards; the parameters are torch.bfloat16"):
+        ParamFlowEstimator([torch.zeros(2, dtype=torch.bfloat16, requires_grad=True)], lambda batch: None)
+
+
+def test_a_float32_forward_of_float64_parameters_takes_float32_steps(network):
+    """TRL's fused head scores float64 weights in float32: with score_dtype=float32 the estimator takes float32's step
+    sizes; float64's steps would difference float32 rounding, and both checks see it."""
+
+    def float32_scorer(sequences):
+        logits = network(sequences).logits[:, PROMPT - 1 : -1].float()
+        logp = torch.log_softmax(logits, -1)
+        return logp.gather(-1, sequences[:, PROMPT:, None])[..., 0].double(), -(logp.exp() * logp).sum(-1).double()
+
+    sequences, advantages, factor = _rollout(network, seed=0)
+    mask = torch.ones_like(factor)
+    errors = {}
+    for score_dtype in (None, torch.float32):
+        estimator = ParamFlowEstimator(_params(network), float32_scorer, score_dtype=score_dtype)
+        assert estimator.relative_steps == FD_RELATIVE_STEPS[score_dtype or torch.float64]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            flow = estimator.estimate([sequences], [mask], lambda batch, logps, entropies: factor * advantages[:, None])
+        errors[score_dtype] = (flow.check_error, flow.lambda_error)
+    # float64's steps magnify float32 rounding (~1e-7 / 1e-7 of the step, relative): 40x and more here
+    assert all(e32 < e64 / 10 for e32, e64 in zip(errors[torch.float32], errors[None], strict=True)), errors

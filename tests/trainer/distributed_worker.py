@@ -1,0 +1,90 @@
+"""Run by tests/trainer/test_distributed.py under `torchrun --nproc_per_node 2`: trains OPEFO two steps and saves, per
+rank, each rollout batch's per-token statistics, its micro-batches and the lambda the rank used."""
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for conftest
+from conftest import length_reward  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from opefo_trl import OPEFOConfig, OPEFOTrainer  # noqa: E402
+from opefo_trl.testing import keep_rms_norm_in_model_dtype  # noqa: E402
+from opefo_trl.trainer.batch_state import STATE_KEY  # noqa: E402
+
+MICRO_BATCH_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "num_items_in_batch")
+
+
+def main(model_path: str, out_dir: str, accumulation: str, estimate: str, balance: str, loss_type: str, dtype: str):
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + {2 * i}?"}]} for i in range(16)]
+    args = OPEFOConfig(
+        output_dir=os.path.join(out_dir, "run"),
+        per_device_train_batch_size=4 // int(accumulation),
+        gradient_accumulation_steps=int(accumulation),
+        num_generations=4,
+        max_completion_length=10,
+        max_steps=2,
+        logging_steps=1,
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+        entropy_flow_estimate=estimate,
+        opefo_balance=balance,
+        loss_type=loss_type,
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+    if dtype == "float64":
+        keep_rms_norm_in_model_dtype(model)
+    trainer = OPEFOTrainer(
+        model=model,
+        processing_class=AutoTokenizer.from_pretrained(model_path),
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+    )
+    records, micro_batches = [], []
+    weigh, rollout_weights = trainer.rollout.weigh, trainer.token_method.rollout_weights
+
+    def record_micro_batches(batches, captured=None):
+        keep = (*MICRO_BATCH_KEYS, "advantages")
+        micro_batches.append([{k: b[k].clone() for k in keep} for b in batches])
+        weigh(batches, captured)
+        for saved, batch in zip(micro_batches[-1], batches, strict=True):
+            state = batch[STATE_KEY]
+            if not state.deferred:  # computed for the whole rollout (not deferred to the training forward)
+                saved["unit_flow"] = state.unit_flow
+
+    def record_weights(batch, context):
+        weights = rollout_weights(batch, context)
+        records.append(
+            dict(
+                micro_batches=micro_batches[-1],
+                flow=batch.flow,
+                factor=batch.factor,
+                logps=batch.logps,
+                weights=weights,
+                **trainer.token_method._rollout_metrics,
+            )
+        )
+        return weights
+
+    trainer.rollout.weigh = record_micro_batches
+    trainer.token_method.rollout_weights = record_weights
+    trainer.train()
+    rank = trainer.accelerator.process_index
+    assert trainer.accelerator.num_processes == 2, "expected two processes"
+    torch.save(records, os.path.join(out_dir, f"rank{rank}.pt"))
+    # Tear the gloo group down before the interpreter exits: left to exit-time destructors, a rank has been seen to
+    # abort ("terminate called without an active exception") after its work was done.
+    trainer.accelerator.wait_for_everyone()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:8])

@@ -1,0 +1,222 @@
+"""opefo_trl.trainer.checks, alone and through OPEFOTrainer (the Python API): settings that would fail at the first
+step, reward functions that raise or return non-numbers or infinities, and GRPOTrainer's optional `reward_funcs`."""
+
+import asyncio
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from opefo_trl import OPEFOConfig, OPEFOTrainer
+from opefo_trl.trainer.checks import RewardCheck, RewardFunctionError, check_training_values, reward_problem
+
+
+def _settings(**overrides):
+    return SimpleNamespace(**{"learning_rate": 1e-6, "max_completion_length": 8, "temperature": 1.0, **overrides})
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"learning_rate": -1.0}, "learning_rate=-1.0: the learning rate must be >= 0"),
+        ({"max_completion_length": 0}, "max_completion_length=0: completions need at least 1 token"),
+        ({"temperature": 0.0}, "temperature=0.0: GRPO samples completions"),
+        ({"loss_type": "dr_grpo", "max_completion_length": None}, "loss_type='dr_grpo' with max_completion_length="),
+    ],
+)
+def test_values_that_fail_at_the_first_step_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        check_training_values(_settings(**overrides))
+    check_training_values(_settings(learning_rate=0.0, max_completion_length=1, temperature=0.1))  # the edges pass
+    check_training_values(_settings(loss_type="dapo", max_completion_length=None))
+
+
+@pytest.mark.parametrize(
+    "rewards, message",
+    [
+        ([1.0, "0.5", 0.0], "returned '0.5' (a str) for completion 1 of 3 (1 such value(s) in this batch)"),
+        ([[1.0], [0.0], [1.0]], "returned [1.0] (a list) for completion 0 of 3 (3 such value(s)"),
+        (0.5, "returned 0.5 (a float); it must return a list of 3 numbers"),
+        ("1 0 1", "returned '1 0 1' (a str); it must return a list of 3 numbers"),
+        ([1.0, 0.0], "returned 2 rewards for 3 completions"),
+        ([1.0, float("-inf"), float("inf")], "returned -inf for 2 of 3 completions (first: completion 1)"),
+    ],
+)
+def test_bad_reward_outputs_are_described_with_the_first_bad_value(rewards, message):
+    assert message in reward_problem("my_reward", rewards, 3)
+
+
+def test_good_reward_outputs_pass():
+    for rewards in ([1, 0.5, None], (True, False, float("nan")), np.array([0.0, 1.0, 2.0]), torch.tensor([1.0, 0, 2])):
+        assert reward_problem("r", rewards, 3) is None
+    assert reward_problem("r", [np.float32(1), np.int64(0), torch.tensor(0.5)], 3) is None
+    check = RewardCheck(num_completions=3)
+    (generator_reward,) = check.wrap([lambda completions, **kwargs: (1.0 for _ in completions)], ["generator"])
+    assert generator_reward(completions="abc") == [1.0, 1.0, 1.0] and check.error is None  # read once, passed on
+
+
+def test_a_failing_function_is_named_and_later_ones_are_not_called():
+    calls = []
+
+    def raises(completions, **kwargs):
+        return {"a": 1}["missing"]
+
+    def later(completions, **kwargs):
+        calls.append(1)
+        return [1.0] * len(completions)
+
+    check = RewardCheck(num_completions=2)
+    first, second = check.wrap([raises, later], ["raises", "later"])
+    assert first(completions=["x", "y"]) == [0.0, 0.0] and second(completions=["x", "y"]) == [0.0, 0.0]
+    assert calls == []
+    with pytest.raises(RewardFunctionError) as error:
+        check.raise_if_failed()
+    assert str(error.value).startswith("Reward function 'raises' raised KeyError: 'missing' at ")
+    assert "test_checks.py" in str(error.value) and isinstance(error.value.__cause__, KeyError)
+
+
+def test_async_functions_and_reward_models_and_other_processes():
+    async def async_strings(completions, **kwargs):
+        return ["1"] * len(completions)
+
+    model = torch.nn.Linear(1, 1)
+    check = RewardCheck(num_completions=2)
+    wrapped, kept = check.wrap([async_strings, model], ["async_strings", "model"])
+    assert kept is model and asyncio.iscoroutinefunction(wrapped)
+    assert asyncio.run(wrapped(completions=["a", "b"])) == [0.0, 0.0]
+    with pytest.raises(RewardFunctionError, match="'async_strings' returned '1' \\(a str\\)"):
+        check.raise_if_failed()
+    fine = RewardCheck(num_completions=2)
+    fine.raise_if_failed(0)
+    with pytest.raises(RewardFunctionError, match="failed on 1 other process"):
+        fine.raise_if_failed(1)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Through OPEFOTrainer
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _config(tmp_path, **overrides):
+    settings = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=6,
+        max_steps=2,
+        logging_steps=1,
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="steps",
+        save_steps=1,
+        disable_tqdm=True,
+    )
+    settings.update(overrides)
+    return OPEFOConfig(**settings)
+
+
+def string_reward(completions, **kwargs):
+    return ["1.0" for _ in completions]
+
+
+def raising_reward(completions, **kwargs):
+    raise RuntimeError("grader unreachable")
+
+
+def infinite_reward(completions, **kwargs):
+    return [float("inf")] + [0.0] * (len(completions) - 1)
+
+
+@pytest.mark.parametrize(
+    "reward, message",
+    [
+        (string_reward, "Reward function 'string_reward' returned '1.0' (a str) for completion 0 of 4"),
+        (raising_reward, "Reward function 'raising_reward' raised RuntimeError: grader unreachable at "),
+        (infinite_reward, "Reward function 'infinite_reward' returned inf for 1 of 4 completions (first: completion"),
+    ],
+)
+def test_the_python_api_refuses_a_bad_reward_at_its_first_call(
+    reward, message, tiny_model_path, tiny_dataset, length_reward, tmp_path, snapshot
+):
+    args = _config(tmp_path)
+    trainer = OPEFOTrainer(tiny_model_path, [length_reward, reward], args=args, train_dataset=tiny_dataset)
+    before = snapshot(tmp_path)
+    with pytest.raises(RewardFunctionError) as error:
+        trainer.train()
+    assert message in str(error.value)
+    assert trainer.state.global_step == 0 and snapshot(tmp_path) == before  # no step, no checkpoint, no file
+    assert trainer.reward_funcs[1] is reward  # the user's function, not the checking wrapper
+
+
+def test_the_python_api_refuses_settings_that_fail_at_the_first_step(tiny_model_path, length_reward, tmp_path):
+    with pytest.raises(ValueError, match="temperature=0.0: GRPO samples completions"):
+        OPEFOTrainer(tiny_model_path, length_reward, args=_config(tmp_path, temperature=0.0))
+    assert os.listdir(tmp_path) == []
+
+
+class CountingEnvironment:
+    """Owns the reward (TRL's `environment_factory`): 1 for the first rollout it is reset for, 0 afterwards."""
+
+    def __init__(self):
+        self.resets = 0
+
+    def reset(self, **kwargs):
+        self.resets += 1
+
+    def get_reward(self):
+        return float(self.resets == 1)
+
+
+#: ChatML that also renders tool calls and tool messages, which TRL requires of a tokenizer with environments.
+TOOL_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for call in m.get('tool_calls') or [] %}<tool_call>{{ call['function']['name'] }} "
+    "{{ call['function']['arguments'] | tojson }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_reward_funcs_is_optional_as_in_grpo_trainer(tiny_model_path, tiny_dataset, tmp_path):
+    from transformers import AutoTokenizer
+    from trl import GRPOTrainer
+
+    args = _config(tmp_path, max_steps=1, save_strategy="no")
+    for trainer_class in (GRPOTrainer, OPEFOTrainer):  # the same error, raised by TRL
+        with pytest.raises(ValueError, match="No reward source provided. Pass `reward_funcs`, or an"):
+            trainer_class(tiny_model_path, args=args, train_dataset=tiny_dataset)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    tokenizer.chat_template = TOOL_CHATML
+    trainer = OPEFOTrainer(
+        tiny_model_path,
+        args=args,
+        train_dataset=tiny_dataset,
+        processing_class=tokenizer,
+        environment_factory=CountingEnvironment,
+    )
+    trainer.train()
+    assert trainer.reward_func_names == ["CountingEnvironment"]
+    assert any("rewards/CountingEnvironment/mean" in row for row in trainer.state.log_history)
+
+
+def test_args_none_names_the_output_dir_as_grpo_trainer_does(tiny_model_path, length_reward, monkeypatch):
+    import trl.trainer.grpo_trainer
+
+    import opefo_trl.trainer.trainer
+
+    class Named(Exception):
+        pass
+
+    def record(output_dir=None, **kwargs):  # stands for the config class: the default config's output_dir
+        raise Named(output_dir)
+
+    monkeypatch.setattr(trl.trainer.grpo_trainer, "GRPOConfig", record)
+    monkeypatch.setattr(opefo_trl.trainer.trainer, "OPEFOConfig", record)
+    names = []
+    for trainer_class in (trl.GRPOTrainer, OPEFOTrainer):
+        with pytest.raises(Named) as named:
+            trainer_class(tiny_model_path, length_reward)
+        names.append(str(named.value))
+    assert names == ["model-GRPO", "model-GRPO"]  # the tiny model's folder is called `model`

@@ -1,0 +1,90 @@
+"""opefo_trl.trainer.loss_mirror against TRL's own loss, for every loss type: the per-token factor f_t is the gradient
+of TRL's loss, and an extra per-token term is aggregated exactly like TRL's policy loss."""
+
+import pytest
+import torch
+from trainer_setup import make_config, make_trainer
+
+from opefo_trl.trainer.batch_state import STATE_KEY
+from opefo_trl.trainer.loss_mirror import LOSS_TYPES, LossMirror
+
+
+def _micro_batch_with_unequal_lengths(trainer):
+    """The first micro-batch TRL would train on (accumulation 2), with completions of different lengths."""
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    inputs = {k: v for k, v in inputs.items() if k != STATE_KEY}
+    lengths = inputs["completion_mask"].sum(-1)
+    assert len(lengths.unique()) > 1, "the warm model should end its completions at different lengths"
+    return inputs
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_the_loss_factor_is_the_gradient_of_trls_loss_per_token(
+    warm_model_path, tiny_dataset, length_reward, tmp_path, loss_type
+):
+    """f_t A_t = -dL/d log pi_t of TRL's real loss at ratio 1 (docs/algorithm.md section 2), token by token, on a
+    micro-batch with completions of unequal lengths, accumulation 2, a token-level vLLM importance ratio and TRL's
+    high-entropy mask. A copy that gave `grpo` `bnpo`'s normaliser (they agree when all lengths are equal) fails."""
+    from trl import GRPOTrainer
+
+    extra = dict(vllm_importance_sampling_mode="token_truncate") if loss_type == "vespo" else {}
+    args = make_config(
+        tmp_path, loss_type=loss_type, gradient_accumulation_steps=2, per_device_train_batch_size=4,
+        top_entropy_quantile=0.6, **extra,
+    )  # fmt: skip
+    trainer = make_trainer(warm_model_path, tiny_dataset, length_reward, args)
+    inputs = _micro_batch_with_unequal_lengths(trainer)
+    gen = torch.Generator().manual_seed(0)
+    batch, length = inputs["completion_ids"].shape
+    inputs["advantages"] = torch.randn(batch, generator=gen)
+    inputs["importance_sampling_ratio"] = 0.5 + torch.rand(batch, length, generator=gen)
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        logps, entropies, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, ids, attention, length, compute_entropy=True
+        )
+    inputs["old_per_token_logps"] = logps.clone()  # ratio 1
+    leaf = logps.clone().requires_grad_(True)
+    trainer._get_per_token_logps_and_entropies = lambda *args, **kwargs: (leaf, entropies, None)
+    loss = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+    (gradient,) = torch.autograd.grad(loss, leaf)
+    factor = LossMirror.of(trainer).factor(inputs, logps, entropies, inputs["advantages"])
+    assert (factor == 0).any() and (factor > 0).any()  # masks and the entropy mask at work
+    expected = -factor * inputs["advantages"][:, None]
+    torch.testing.assert_close(gradient, expected, rtol=1e-5, atol=1e-8 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_extra_loss_terms_are_normalised_exactly_like_trl_policy_loss(
+    warm_model_path, tiny_dataset, length_reward, tmp_path, loss_type
+):
+    """With A = -1 and ratio 1, TRL's policy loss is its own aggregation of a known per-token value (1 for the
+    clipped losses, 2 / tau_neg for SAPO, log pi for VESPO and CISPO, clamped for CISPO): ours must match it."""
+    from trl import GRPOTrainer
+
+    extra = dict(vllm_importance_sampling_mode="token_truncate") if loss_type == "vespo" else {}
+    args = make_config(
+        tmp_path, loss_type=loss_type, gradient_accumulation_steps=2, per_device_train_batch_size=4, **extra
+    )
+    trainer = make_trainer(warm_model_path, tiny_dataset, length_reward, args)
+    inputs = _micro_batch_with_unequal_lengths(trainer)
+    inputs["advantages"] = -torch.ones_like(inputs["completion_mask"], dtype=torch.float32)
+    with torch.no_grad():
+        trl_loss = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        logps, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, ids, attention, inputs["completion_ids"].size(1)
+        )
+    per_token = {
+        "cispo": logps * min(1.0, trainer.epsilon_high),  # CISPO's clamp(ratio, max=epsilon_high) at ratio 1
+        "vespo": logps,
+        "sapo": torch.full_like(logps, 2 / args.sapo_temperature_neg),
+    }
+    value = per_token.get(loss_type, torch.ones_like(logps))
+    ours = LossMirror.of(trainer).aggregate(value, inputs)
+    assert ours.item() == pytest.approx(trl_loss.item(), rel=1e-5)
