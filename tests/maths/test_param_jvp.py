@@ -346,6 +346,25 @@ def test_refusals_name_the_cause_and_the_fix(model32, batch):
         completion_jvp(model32, {"lm_head.weight": weight, "model.embed_tokens.weight": weight}, *args, **TRANSFORM)
 
 
+def test_prompt_learning_a_wrapped_head_and_non_finite_results_are_refused(model32, model64, batch):
+    from peft import LoraConfig, PromptTuningConfig, get_peft_model
+
+    args = (batch["input_ids"], batch["attention_mask"], batch["length"])
+    prompt_tuning = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)
+    prompt_tuned = get_peft_model(copy.deepcopy(model32), prompt_tuning)
+    with pytest.raises(NotImplementedError, match="virtual tokens"):
+        completion_jvp(prompt_tuned, {}, *args, **TRANSFORM)
+    lora_head = get_peft_model(copy.deepcopy(model32), LoraConfig(r=2, target_modules=["lm_head"])).eval()
+    with pytest.raises(NotImplementedError, match="plain linear LM head"):
+        completion_jvp(lora_head, {}, *args, **TRANSFORM)
+    # transformers' eager attention softmaxes in float32: float64's mask value becomes -inf, padded rows NaN.
+    assert not batch["attention_mask"].all()
+    eager64 = copy.deepcopy(model64)
+    eager64.set_attn_implementation("eager")
+    with pytest.raises(ValueError, match="non-finite"):
+        completion_jvp(eager64, _random_tangents(eager64, seed=10), *args, **TRANSFORM)
+
+
 def test_eager_attention_gives_what_sdpa_gives_and_named_tangents_maps_lists(model32, batch):
     args = (batch["input_ids"], batch["attention_mask"], batch["length"])
     params = list(model32.parameters())
