@@ -25,6 +25,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
 from opefo_trl.maths.entropy_flow import TABULAR_ESTIMATES
+from opefo_trl.maths.param_jvp import SUPPORTED_ATTENTION
 from opefo_trl.trainer.config import check_estimate_backend
 
 TRL_FUSED_HEAD_OUTPUTS = ("log_probs", "entropy")  # what GRPOTrainer (TRL 1.16) adds its fused head with
@@ -98,12 +99,14 @@ def refuse_unsupported_setup(
     deepspeed: bool,
     fsdp: bool,
     main_process: bool,
+    attention: str | None = "sdpa",
 ) -> None:
     """What the configuration alone could not tell: the launch backend (accelerate's state) for the estimate, a
-    half-precision head under a tabular estimate (warned), and the trainable weights' dtype for `param`.
+    half-precision head under a tabular estimate (warned), and for `param` the trainable weights' dtype and the
+    attention implementation.
 
     ``computes_flow``: the entropy flow is computed (a rollout method, or the diagnostics); ``rollout_param``: the
-    `param` estimate runs over every rollout batch.
+    `param` estimate runs over every rollout batch; ``attention``: the policy's attention implementation.
     """
     estimate = args.entropy_flow_estimate
     if computes_flow:
@@ -127,8 +130,14 @@ def refuse_unsupported_setup(
     imprecise = sorted(str(d) for d in {p.dtype for p in trainable} - {torch.float32, torch.float64})
     if imprecise:
         raise ValueError(
-            f"entropy_flow_estimate='param' takes finite differences of float32 forwards, but the trainable "
+            f"entropy_flow_estimate='param' differentiates the policy in float32 or float64, but the trainable "
             f"parameters are {imprecise}. Load the model in float32 (dtype='float32'; bf16 mixed precision, "
             "bf16=True, still speeds up the training forward while the estimate's own passes run in float32), or "
             "use a log-prob estimate."
+        )
+    if attention not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"entropy_flow_estimate='param' takes forward-mode derivatives through the attention, which "
+            f"attn_implementation={attention!r} has no rule for. Load the model with attn_implementation='sdpa' "
+            "(transformers' default; opefo-train: --attn_implementation sdpa) or 'eager', or use a log-prob estimate."
         )

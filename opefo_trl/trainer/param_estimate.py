@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from opefo_trl.maths.param_flow import ParamFlow, ParamFlowEstimator, warn_imprecise
+from opefo_trl.maths.param_flow import ParamFlow, ParamFlowEstimator, imprecision
 from opefo_trl.maths.step_model import check_optimizer
 from opefo_trl.methods import StepChange
 from opefo_trl.trainer.batch_state import Scores
@@ -40,6 +40,7 @@ class ParamEstimate:
     Args:
         params: the trainable parameters, read when an estimate starts.
         score: the full-precision scoring forward of a TRL micro-batch (``Scorer.score_full_precision``).
+        jvp: the forward-mode pass ``jvp(batch, params, direction) -> (u_t, dH_t)`` (``Scorer.jvp``).
         loss: TRL's loss factor (``LossMirror``).
         reduce_sum: sums a tensor over ranks; ``num_processes`` ranks.
         optimizer: the torch optimizer whose next step D and the step model describe.
@@ -52,6 +53,7 @@ class ParamEstimate:
         self,
         params: Callable[[], list[torch.Tensor]],
         score: Callable[[dict], Scores],
+        jvp: Callable[[dict, Sequence[torch.Tensor], Sequence[torch.Tensor]], tuple[torch.Tensor, torch.Tensor]],
         loss: LossMirror,
         reduce_sum: Callable[[torch.Tensor], torch.Tensor],
         num_processes: int,
@@ -60,7 +62,7 @@ class ParamEstimate:
         log_metrics: Callable[[dict[str, float]], None],
         main_process: bool,
     ):
-        self.params, self.score, self.loss = params, score, loss
+        self.params, self.score, self.jvp, self.loss = params, score, jvp, loss
         self.reduce_sum, self.num_processes = reduce_sum, num_processes
         self.optimizer, self.max_grad_norm = optimizer, max_grad_norm
         self.log_metrics, self.main_process = log_metrics, main_process
@@ -76,13 +78,14 @@ class ParamEstimate:
         return scores.logps, scores.entropies
 
     def _estimator(self) -> ParamFlowEstimator:
+        params = self.params()
         return ParamFlowEstimator(
-            self.params(),
+            params,
             self._score,
+            lambda item, direction: self.jvp(item.batch, params, direction),
             self.reduce_sum,
             optimizer=self.optimizer(),
             max_grad_norm=self.max_grad_norm,
-            score_dtype=torch.float32,  # TRL's fused head computes in float32, also for float64 weights
         )
 
     def estimate(self, items: Sequence[RolloutItem]) -> tuple[ParamFlowEstimator, ParamFlow]:
@@ -101,7 +104,7 @@ class ParamEstimate:
         flow = estimator.estimate(items, masks, coefficients)
         self.log_metrics({"entropy_flow/param_check_error": flow.check_error})
         self.log_metrics({"entropy_flow/param_lambda_error": flow.lambda_error})
-        message = warn_imprecise(flow, estimator.relative_steps)
+        message = imprecision(flow)
         if message and not self._warned_imprecise and self.main_process:
             self._warned_imprecise = True
             warnings.warn(message + " (Warned once.)", stacklevel=2)

@@ -5,9 +5,12 @@ vocabulary sums) by one of two forwards:
 
 - :meth:`Scorer.score`: TRL's own no-grad scoring path (`GRPOTrainer._get_per_token_logps_and_entropies`) in the
   training precision; with ``vocab``, also sum pi^2 and sum pi^2 log pi from the hidden states of the same forward;
-- :meth:`Scorer.score_full_precision`: the fused forward in the parameters' own precision (float32 / float64) with
-  autocast off, differentiable when grad is enabled, as the `param` estimate needs. Accelerate's mixed-precision
-  wrapper re-enables autocast inside ``model.forward``, so the forward it wraps is called.
+- :meth:`Scorer.score_full_precision`: the backbone and a chunked LM head of the library's own
+  (`opefo_trl.maths.lm_head`) in the parameters' own precision (float32 / float64) with autocast off,
+  differentiable when grad is enabled, as the `param` estimate needs (TRL's fused head computes in float32 even for
+  float64 weights, and accelerate's mixed-precision wrapper of ``model.forward`` re-enables autocast).
+- :meth:`Scorer.jvp`: the `param` estimate's forward-mode pass, the derivatives of log pi_t and H_t along a
+  parameter direction.
 
 :meth:`Scorer.capture_hidden_states` collects the backbone's final hidden states of the forwards inside a block (a
 forward hook that lives only for the block), from which :meth:`Scorer.vocab_stats` projects the LM head in token x
@@ -16,7 +19,7 @@ vocabulary tiles (`opefo_trl.maths.vocab_stats`) without materialising [tokens, 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +28,8 @@ import torch
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
+from opefo_trl.maths.lm_head import policy_log_probs
+from opefo_trl.maths.param_jvp import completion_jvp, named_tangents
 from opefo_trl.maths.vocab_stats import vocab_stats
 from opefo_trl.trainer.batch_state import Scores, sequence
 
@@ -95,12 +100,11 @@ class Scorer:
         return Scores(logps, entropies, *self.vocab_stats(hidden, length))
 
     def score_full_precision(self, batch: dict) -> Scores:
-        """The fused forward in the parameters' precision, autocast off; differentiable when grad is enabled."""
+        """log pi_t and H_t in the parameters' precision, autocast off; differentiable when grad is enabled."""
         input_ids, attention_mask, length = sequence(batch)
-        model = self.unwrap(self.model())
-        forward = getattr(model, "_original_forward", model.forward)
-        labels = input_ids.masked_fill(attention_mask == 0, -100)
-        labels[:, :-length] = -100  # only the completion is scored, as in TRL
+        core = self.core()
+        text_config = core.config.get_text_config()
+        head = core.get_output_embeddings()
         # torch.autograd.grad works through non-reentrant checkpointing (transformers 5's default), not reentrant.
         keep_checkpointing = torch.is_grad_enabled() and not (self.checkpointing_kwargs or {}).get("use_reentrant")
         checkpointing = (
@@ -109,8 +113,48 @@ class Scorer:
             else disable_gradient_checkpointing(self.model(), self.checkpointing_kwargs)
         )
         with checkpointing, torch.autocast(input_ids.device.type, enabled=False):
-            output = forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
-        return Scores(output.log_probs[:, -length:], output.entropy[:, -length:])
+            hidden = core.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            # Position i predicts token i + 1: the completion's T tokens are predicted from hidden[-T-1:-1].
+            logps, entropies = policy_log_probs(
+                hidden.last_hidden_state[:, -length - 1 : -1],
+                head.weight,
+                head.bias,
+                input_ids[:, -length:],
+                temperature=self.temperature,
+                logit_scale=logit_scale(text_config),
+                softcap=getattr(text_config, "final_logit_softcapping", None),
+                token_chunk_size=self.token_chunk_size,
+            )
+        return Scores(logps, entropies)
+
+    @torch.no_grad()
+    def jvp(
+        self, batch: dict, params: Sequence[torch.Tensor], direction: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """u_t and dH_t: the derivatives of log pi_t and H_t along ``direction`` (one tensor per parameter of
+        ``params``), by forward-mode AD with float64 head maths (`opefo_trl.maths.param_jvp.completion_jvp`). The pass
+        runs in eval mode (no dropout; no gradient checkpointing, which drops forward-mode tangents): a no-grad pass
+        stores no activations, so nothing is lost."""
+        input_ids, attention_mask, length = sequence(batch)
+        model = self.unwrap(self.model())
+        text_config = self.core().config.get_text_config()
+        training = model.training
+        model.eval()
+        try:
+            result = completion_jvp(
+                model,
+                named_tangents(model, params, direction),
+                input_ids,
+                attention_mask,
+                length,
+                temperature=self.temperature,
+                logit_scale=logit_scale(text_config),
+                softcap=getattr(text_config, "final_logit_softcapping", None),
+                compute_dtype=torch.float64,
+            )
+        finally:
+            model.train(training)
+        return result.logps_tangent, result.entropies_tangent
 
     @contextmanager
     def capture_hidden_states(self, enabled: bool) -> Iterator[list[torch.Tensor]]:

@@ -118,6 +118,7 @@ class OPEFOTrainer(GRPOTrainer):
             deepspeed=self.is_deepspeed_enabled,
             fsdp=self.is_fsdp_enabled,
             main_process=self.accelerator.is_main_process,
+            attention=self._core_model().config._attn_implementation,
         )
         main_process = self.accelerator.is_main_process
         self.loss_mirror = LossMirror.of(self)
@@ -184,6 +185,7 @@ class OPEFOTrainer(GRPOTrainer):
         return ParamEstimate(
             params=self._trainable_parameters,
             score=self.scorer.score_full_precision,
+            jvp=self.scorer.jvp,
             loss=self.loss_mirror,
             reduce_sum=self._reduce_sum,
             num_processes=self.accelerator.num_processes,

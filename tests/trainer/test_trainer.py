@@ -708,7 +708,7 @@ def test_param_under_bf16_autocast_gives_the_float32_lambda_star(
 
 def test_param_refuses_weights_and_optimizers_it_cannot_model(tiny_model_path, tiny_dataset, length_reward, tmp_path):
     args = make_config(tmp_path, entropy_flow_estimate="param", model_init_kwargs={"dtype": "bfloat16"})
-    with pytest.raises(ValueError, match=r"float32 forwards, but the trainable parameters are \['torch.bfloat16'\]"):
+    with pytest.raises(ValueError, match=r"float32 or float64, but the trainable parameters are \['torch.bfloat16'\]"):
         make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
     with pytest.raises(ValueError, match="models the update of adamw_torch / adamw_torch_fused, but optim='sgd'"):
         make_config(tmp_path, entropy_flow_estimate="param", optim="sgd")
