@@ -122,8 +122,8 @@ def test_cost_stage_times_every_configuration_against_grpo(reduced_check):
     timed = cost["cost"]["accumulation_2"]
     assert list(timed) == ["grpo_strict", "opefo", "opefo_full", "opefo_param", "opefo_param_step"]
     assert timed["grpo_strict"]["time_ratio"] == 1.0 and all(m["time_ratio"] > 0 for m in timed.values())
-    # a float32 gradient pass (2 micro-batches) + two finite-difference forwards (2 each) on top of GRPO's passes
-    assert timed["opefo_param"]["extra_backbone_passes"] >= 6
+    # on top of GRPO's passes, per micro-batch (2): the estimate's gradient forward and its forward-mode pass
+    assert timed["opefo_param"]["extra_backbone_passes"] == 4
     assert cost["cost_settings"]["gradient_checkpointing"] is True
     memory = cost["memory"]["accumulation_2"]
     assert list(memory) == ["grpo_strict", "opefo_full", "opefo_param", "opefo_param_lora16"]
@@ -151,8 +151,14 @@ def test_a_failing_stage_does_not_stop_the_next_and_the_deadline_shrinks_the_las
     assert code == 1
     first, last = (json.loads((tmp_path / f"stage{s}.json").read_text()) for s in (0, 3))
     assert first["status"] == "timeout" and first["timeout_s"] == 0.5
-    assert last["status"] == "timeout" and 5 <= last["timeout_s"] < 6  # what the deadline left, not its own 600 s
-    assert "| 3 cost | timeout |" in gpu_check.report_markdown(str(tmp_path))
+    assert 5 <= last["timeout_s"] < 6  # what the deadline left, not its own 600 s
+    # Within those seconds the stage either is stopped (a slow machine: its imports alone take longer) or stops its
+    # own work at its deadline and reports every configuration as not run (a fast one); it never runs past it.
+    assert last["status"] in ("timeout", "ok") and last["seconds"] < 6
+    report = gpu_check.report_markdown(str(tmp_path))
+    assert f"| 3 cost | {last['status']} |" in report
+    if last["status"] == "ok":
+        assert "Not run (deadline): every configuration" in report
 
 
 @pytest.mark.parametrize(
