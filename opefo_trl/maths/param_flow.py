@@ -224,10 +224,11 @@ def imprecision(flow: ParamFlow) -> str | None:
     if flow.check_error <= CHECK_TOLERANCE and flow.lambda_error <= allowed:
         return None
     return (
-        "entropy_flow_estimate='param': the forward-mode flow and the backward-mode gradients disagree on this batch "
-        f"beyond rounding: the derivative of the mean entropy differs by {flow.check_error:.2%} (tolerance "
-        f"{CHECK_TOLERANCE:.1%}), and the net flow implies a lambda* error of {flow.lambda_error:.3g} (lambda* = "
-        f"{flow.lambda_star:.3g}; tolerance {allowed:.3g}). The two passes do not see the same function: dropout, a "
-        "scoring forward other than the one differentiated, or a logit transform (temperature, logit scale, "
-        "softcapping) that differs between them. entropy_flow/param_lambda_error logs the estimate every step."
+        "entropy_flow_estimate='param' checks failed: the forward-mode flow and the backward-mode gradients "
+        "disagree on this batch beyond rounding: the derivative of the mean entropy differs by "
+        f"{flow.check_error:.2%} (tolerance {CHECK_TOLERANCE:.1%}), and the net flow implies a lambda* error of "
+        f"{flow.lambda_error:.3g} (lambda* = {flow.lambda_star:.3g}; tolerance {allowed:.3g}). The two passes do not "
+        "see the same function: dropout, a scoring forward other than the one differentiated, or a logit transform "
+        "(temperature, logit scale, softcapping) that differs between them. entropy_flow/param_lambda_error logs the "
+        "estimate every step."
     )

@@ -73,6 +73,12 @@ class ParamEstimate:
         """Refuse an optimizer whose update the preconditioner does not model (accelerate's wrapper looked into)."""
         check_optimizer(getattr(optimizer, "optimizer", optimizer), preconditioner)
 
+    @staticmethod
+    def _full_precision(estimator: ParamFlowEstimator) -> torch.autocast:
+        """Autocast off for the estimate's forwards and backwards: a backward run inside an autocast region (a training
+        step under bf16 mixed precision) recomputes checkpointed activations in half precision."""
+        return torch.autocast(estimator.params[0].device.type, enabled=False)
+
     def _score(self, item: RolloutItem) -> tuple[torch.Tensor, torch.Tensor]:
         scores = self.score(item.batch)
         return scores.logps, scores.entropies
@@ -101,7 +107,8 @@ class ParamEstimate:
             return item.factor * item.advantages
 
         masks = [self.loss.mask(item.batch).float() for item in items]
-        flow = estimator.estimate(items, masks, coefficients)
+        with self._full_precision(estimator):
+            flow = estimator.estimate(items, masks, coefficients)
         self.log_metrics({"entropy_flow/param_check_error": flow.check_error})
         self.log_metrics({"entropy_flow/param_lambda_error": flow.lambda_error})
         message = imprecision(flow)
@@ -117,7 +124,8 @@ class ParamEstimate:
         over the whole local rollout batch), identical on every rank."""
         sizes = [len(item.advantages) for item in items]
         signed = [s * c for s, c in zip(signs.split(sizes), flow.coefficients, strict=True)]
-        change = estimator.step_model(flow, estimator.signed_gradient(items, signed)).change
+        with self._full_precision(estimator):
+            change = estimator.step_model(flow, estimator.signed_gradient(items, signed)).change
         if self.num_processes == 1:
             return change
 

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from opefo_trl.maths.param_jvp import completion_jvp, head_jvp, named_tangents
 from opefo_trl.maths.param_flow import ParamFlowEstimator
+from opefo_trl.maths.param_jvp import completion_jvp, head_jvp, named_tangents
 
 EPS64 = torch.finfo(torch.float64).eps
 EPS32 = torch.finfo(torch.float32).eps

@@ -691,8 +691,9 @@ def _first_rollout(tiny_model_path, tiny_dataset, length_reward, args):
 def test_param_under_bf16_autocast_gives_the_float32_lambda_star(
     tiny_model_path, tiny_dataset, length_reward, tmp_path
 ):
-    """bf16=True (autocast over float32 weights, the DDP recipes' setting): the estimate's own passes run in float32
-    although accelerate wraps the model's forward in autocast, so lambda* of the same batch is float32's (to 1e-3)."""
+    """bf16=True (autocast over float32 weights, the DDP recipes' setting): the estimate's own passes, forward and
+    backward, run in float32 although accelerate wraps the model's forward in autocast and the rollout is weighed
+    inside an autocast region, so lambda* of the same batch is float32's (to 1e-3)."""
     overrides = dict(entropy_flow_estimate="param", gradient_accumulation_steps=2, per_device_train_batch_size=4)
     fp32, batches = _first_rollout(tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path, **overrides))
     bf16 = make_trainer(tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path, bf16=True, **overrides))
@@ -700,7 +701,8 @@ def test_param_under_bf16_autocast_gives_the_float32_lambda_star(
     assert hasattr(bf16.accelerator.unwrap_model(bf16.model), "_original_forward")
     bf16.create_optimizer()
     bf16.current_gradient_accumulation_steps = 2
-    bf16.rollout.weigh([dict(b) for b in batches])
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as inside a training step under bf16 mixed precision
+        bf16.rollout.weigh([dict(b) for b in batches])
     ours, reference = bf16.token_method._rollout_metrics, fp32.token_method._rollout_metrics
     assert ours["opefo/lambda"] == pytest.approx(reference["opefo/lambda"], rel=1e-3)
     assert ours["opefo/lambda"] != 0.0
