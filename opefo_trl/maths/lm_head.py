@@ -24,6 +24,9 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+#: Logits per chunk (tokens x vocabulary): 16 MiB in float32, e.g. 27 tokens of Qwen's 151,936-token vocabulary.
+CHUNK_ELEMENTS = 1 << 22
+
 
 def _chunk(
     hidden: torch.Tensor,
@@ -54,10 +57,13 @@ def policy_log_probs(
     temperature: float = 1.0,
     logit_scale: float = 1.0,
     softcap: float | None = None,
-    token_chunk_size: int = 1024,
+    token_chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log pi_t, H_t), each of ``targets``' shape, in the precision of ``hidden`` and ``weight`` promoted with
-    float32; ``hidden`` (..., d) holds the hidden states that predict ``targets`` (...)."""
+    float32; ``hidden`` (..., d) holds the hidden states that predict ``targets`` (...). ``token_chunk_size``:
+    tokens per chunk (default: ``CHUNK_ELEMENTS`` logits)."""
+    if token_chunk_size is None:
+        token_chunk_size = max(1, CHUNK_ELEMENTS // weight.shape[0])
     dtype = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
     flat, flat_targets = hidden.reshape(-1, hidden.shape[-1]).to(dtype), targets.reshape(-1)
     weight = weight.to(dtype)

@@ -64,10 +64,13 @@ JvpFn = Callable[[Any, Sequence[torch.Tensor]], tuple[torch.Tensor, torch.Tensor
 CoefficientFn = Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor]
 
 #: The derivative of Hbar along the direction may differ from the backward-mode one by this much (relative).
-CHECK_TOLERANCE = 1e-3
-#: The lambda* error implied by the net-flow check may be this fraction of |lambda*| (or this much, if larger).
-LAMBDA_ERROR_TOLERANCE = 1e-2
-LAMBDA_ERROR_FLOOR = 1e-5
+CHECK_TOLERANCE = 1e-2
+#: The lambda* error implied by the net-flow check may be this fraction of |lambda*| (or this much, if larger). In
+#: float32 the backward-mode net -<v, a> is the less precise side: a = -sum_t c_t grad log pi_t cancels (the
+#: advantages sum to zero), and v = D grad Hbar is largest where Adam's second moment is smallest, so the logged
+#: lambda_error can exceed the flow's own error by orders of magnitude; the warning is for a real disagreement.
+LAMBDA_ERROR_TOLERANCE = 0.1
+LAMBDA_ERROR_FLOOR = 1e-4
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -132,6 +135,7 @@ class ParamFlowEstimator:
         self.params = [p for p in params if p.requires_grad]
         self.score, self.jvp, self.reduce_sum = score, jvp, reduce_sum
         self.optimizer, self.max_grad_norm = optimizer, max_grad_norm
+        self._kept_logps: torch.Tensor | None = None  # a single micro-batch's log pi_t, with its graph
 
     def _zeros(self) -> list[torch.Tensor]:
         return [torch.zeros_like(p, dtype=compute_dtype(p)) for p in self.params]
@@ -150,9 +154,18 @@ class ParamFlowEstimator:
     def _sum(self, value: torch.Tensor) -> float:
         return float(self.reduce_sum(value.double().reshape(1))[0])
 
-    def estimate(self, batches: Sequence[Any], masks: Sequence[torch.Tensor], coefficients: CoefficientFn) -> ParamFlow:
+    def estimate(
+        self,
+        batches: Sequence[Any],
+        masks: Sequence[torch.Tensor],
+        coefficients: CoefficientFn,
+        keep_graph: bool = False,
+    ) -> ParamFlow:
         """u_t of every micro-batch; ``masks`` select the tokens Hbar averages (the loss tokens), ``coefficients``
-        gives the unweighted loss's c_t from the scoring pass's detached log pi_t and H_t."""
+        gives the unweighted loss's c_t from the scoring pass's detached log pi_t and H_t. ``keep_graph`` (one
+        micro-batch): its forward's graph is kept for ``signed_gradient``, which then needs no forward of its own (at
+        the memory of one training step's activations until then)."""
+        keep_graph = keep_graph and len(batches) == 1
         tokens = max(self._sum(cast(torch.Tensor, sum(mask.sum() for mask in masks))), 1.0)  # masks: never empty
         entropy_grad, loss_grad = self._zeros(), self._zeros()
         logps_list, entropies_list, coefficient_list = [], [], []
@@ -161,7 +174,8 @@ class ParamFlowEstimator:
                 logps, entropies = self.score(batch)
                 coefficient = coefficients(batch, logps.detach(), entropies.detach()).to(logps.dtype)
                 self._accumulate(entropy_grad, (entropies * mask).sum() / tokens, retain=True)
-                self._accumulate(loss_grad, -(coefficient * logps).sum(), retain=False)
+                self._accumulate(loss_grad, -(coefficient * logps).sum(), retain=keep_graph)
+                self._kept_logps = logps if keep_graph else None
                 logps_list.append(logps.detach())
                 entropies_list.append(entropies.detach())
                 coefficient_list.append(coefficient)
@@ -203,13 +217,19 @@ class ParamFlowEstimator:
 
     def signed_gradient(self, batches: Sequence[Any], signed_coefficients: Sequence[torch.Tensor]):
         """b = grad of -sum_t s_t c_t log pi_t (summed over ranks): the gradient's derivative in lambda when the
-        tokens are weighted 1 + lambda s_t. One forward and backward per micro-batch."""
+        tokens are weighted 1 + lambda s_t. One forward and backward per micro-batch (a backward only, through the
+        graph ``estimate(keep_graph=True)`` kept)."""
         total = self._zeros()
+        kept, self._kept_logps = self._kept_logps, None
         with torch.enable_grad():
             for batch, coefficient in zip(batches, signed_coefficients, strict=True):
-                logps, _ = self.score(batch)
+                logps = self.score(batch)[0] if kept is None else kept
                 self._accumulate(total, -(coefficient.to(logps.dtype) * logps).sum(), retain=False)
         return self._reduce(total)
+
+    def release(self) -> None:
+        """Free a graph ``estimate(keep_graph=True)`` kept and ``signed_gradient`` did not use."""
+        self._kept_logps = None
 
     def step_model(self, flow: ParamFlow, signed_grad) -> StepModel:
         return StepModel(

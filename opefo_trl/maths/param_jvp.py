@@ -86,7 +86,7 @@ def head_jvp(
     logit_scale: float = 1.0,
     softcap: float | None = None,
     compute_dtype: torch.dtype = torch.float64,
-    token_chunk_size: int = 1024,
+    token_chunk_size: int = 256,
     vocab_chunk_size: int = 4096,
 ) -> HeadJVP:
     """log pi, H and their tangents at every position (formulas in the module docstring).
@@ -295,7 +295,7 @@ def completion_jvp(
     logit_scale: float,
     softcap: float | None,
     compute_dtype: torch.dtype = torch.float64,
-    token_chunk_size: int = 1024,
+    token_chunk_size: int = 256,
     vocab_chunk_size: int = 4096,
 ) -> HeadJVP:
     """log pi_t, H_t, u_t = d log pi_t and dH_t along ``tangents`` for the last ``logits_to_keep`` tokens, (B, T).

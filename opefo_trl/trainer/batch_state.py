@@ -58,7 +58,9 @@ class MicroBatchState:
     parameters. ``deferred``: the rollout is this one micro-batch, whose weights are computed from its training forward
     instead (same parameters, one forward fewer); factor and flow are then computed there too. ``audit_entropies``:
     the entropies before the update, taken in full precision by the `param` estimate (None: the audit takes the
-    training forward's).
+    training forward's). ``served`` / ``gradient``: when the rollout pass already has the gradient of the loss TRL
+    will apply (``RolloutWeigher``), the loss forward takes log pi_t and H_t from ``served`` instead of running the
+    model, and the first micro-batch writes ``gradient`` into the parameters' ``.grad``.
     """
 
     advantages: torch.Tensor
@@ -66,6 +68,8 @@ class MicroBatchState:
     unit_flow: torch.Tensor | None = None
     deferred: bool = False
     audit_entropies: torch.Tensor | None = None
+    served: Scores | None = None
+    gradient: list[torch.Tensor] | None = None
 
 
 def per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -52,6 +52,10 @@ class LossMirror:
     importance_sampling_correction: bool = False
     epsilon_high: float = 0.2
     vespo: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0)  # k_pos, lambda_pos, k_neg, lambda_neg
+    #: The gradient of TRL's loss is exactly -sum_t f_t A_t w_t grad log pi_t, linear in token weights w_t: strictly
+    #: on-policy (ratio 1, where every loss type's gradient is that of its factor), no KL term, no entropy bonus, no
+    #: router aux loss, no Liger loss path, and no two-sided clip below ratio 1.
+    gradient_is_linear: bool = False
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
@@ -74,6 +78,15 @@ class LossMirror:
             importance_sampling_correction=trainer.use_vllm and trainer.vllm_importance_sampling_correction,
             epsilon_high=trainer.epsilon_high,
             vespo=(args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg),
+            gradient_is_linear=(
+                args.num_iterations == 1
+                and args.steps_per_generation == args.gradient_accumulation_steps
+                and trainer.beta == 0.0
+                and not trainer._entropy_bonus_enabled
+                and not trainer.aux_loss_enabled
+                and not args.use_liger_kernel
+                and (args.delta is None or args.delta >= 1.0)
+            ),
         )
 
     @staticmethod

@@ -40,6 +40,14 @@ class LossCall:
     def accepts(self, model) -> bool:
         return True  # the loss scores only the policy (possibly DDP/DeepSpeed-wrapped)
 
+    def served(self) -> tuple[torch.Tensor, torch.Tensor, None] | None:
+        """What TRL's scoring call returns without running the model, when the rollout pass wrote the gradient: the
+        estimate's log pi_t (a leaf TRL's loss backpropagates into, reaching no parameter) and H_t."""
+        served = None if self.state is None else self.state.served
+        if served is None:
+            return None
+        return served.logps.detach().requires_grad_(True), served.entropies, None
+
     def observe(self, logps: torch.Tensor, entropies: torch.Tensor, vocab: tuple) -> None:
         self.weigher.apply(self, logps, entropies, vocab)
 
@@ -51,6 +59,7 @@ class MicroBatchWeigher:
     rollout_flow: the rollout pass computes factor and flow (then the loss reads them from the micro-batch's state).
     loss: TRL's loss factor and aggregation.
     reduce_sum: sums a tensor over ranks; ``log_metrics``: where metrics go; ``main_process``: warnings go there.
+    params: the trainable parameters, whose ``.grad`` a rollout's written gradient goes into.
     """
 
     def __init__(
@@ -63,9 +72,10 @@ class MicroBatchWeigher:
         reduce_sum: Callable[[torch.Tensor], torch.Tensor],
         log_metrics: Callable[[dict[str, float]], None],
         main_process: bool,
+        params: Callable[[], list[torch.Tensor]] = list,
     ):
         self.method, self.estimate, self.diagnostics, self.rollout_flow = method, estimate, diagnostics, rollout_flow
-        self.loss, self.log_metrics, self.main_process = loss, log_metrics, main_process
+        self.loss, self.log_metrics, self.main_process, self.params = loss, log_metrics, main_process, params
         self.context = MethodContext(reduce_sum)
         self.step_flow: FlowStats | None = None  # the unweighted (GRPO) update's flow, summed over the step
 
@@ -125,6 +135,9 @@ class MicroBatchWeigher:
             )
         if call.extra_loss is not None:
             loss = loss + self.loss.aggregate(call.extra_loss, call.inputs)
+        if call.state is not None and call.state.gradient is not None:  # the rollout's whole gradient, written once
+            for p, g in zip(self.params(), call.state.gradient, strict=True):
+                p.grad = g if p.grad is None else p.grad.add_(g)
         return loss
 
     def end_optimizer_step(self) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from opefo_trl.maths.param_flow import ParamFlow, ParamFlowEstimator, imprecision
-from opefo_trl.maths.step_model import check_optimizer
+from opefo_trl.maths.step_model import StepModel, check_optimizer
 from opefo_trl.methods import StepChange
 from opefo_trl.trainer.batch_state import Scores
 from opefo_trl.trainer.loss_mirror import LossMirror
@@ -67,6 +67,10 @@ class ParamEstimate:
         self.optimizer, self.max_grad_norm = optimizer, max_grad_norm
         self.log_metrics, self.main_process = log_metrics, main_process
         self._warned_imprecise = False
+        self._step: tuple[torch.Tensor, StepModel] | None = None  # this rollout's signs and step model
+        # Whether the last rollout's method built the step model: the next one keeps its single micro-batch's graph
+        # for b (one forward fewer), instead of holding activations a method may not need.
+        self._uses_step_model = False
 
     @staticmethod
     def check_optimizer(optimizer: torch.optim.Optimizer, preconditioner: str) -> None:
@@ -107,8 +111,9 @@ class ParamEstimate:
             return item.factor * item.advantages
 
         masks = [self.loss.mask(item.batch).float() for item in items]
+        self._step = None
         with self._full_precision(estimator):
-            flow = estimator.estimate(items, masks, coefficients)
+            flow = estimator.estimate(items, masks, coefficients, keep_graph=self._uses_step_model)
         self.log_metrics({"entropy_flow/param_check_error": flow.check_error})
         self.log_metrics({"entropy_flow/param_lambda_error": flow.lambda_error})
         message = imprecision(flow)
@@ -125,7 +130,9 @@ class ParamEstimate:
         sizes = [len(item.advantages) for item in items]
         signed = [s * c for s, c in zip(signs.split(sizes), flow.coefficients, strict=True)]
         with self._full_precision(estimator):
-            change = estimator.step_model(flow, estimator.signed_gradient(items, signed)).change
+            model = estimator.step_model(flow, estimator.signed_gradient(items, signed))
+        self._step, self._uses_step_model = (signs, model), True
+        change = model.change
         if self.num_processes == 1:
             return change
 
@@ -136,3 +143,27 @@ class ParamEstimate:
             return float(self.reduce_sum(value)[0]) / self.num_processes
 
         return averaged
+
+    def finish(
+        self, estimator: ParamFlowEstimator, weights: torch.Tensor | None, gradient: bool
+    ) -> list[torch.Tensor] | None:
+        """The end of a rollout's estimate, once the method weighed it: frees the graph kept for b and, with
+        ``gradient``, returns the gradient of the loss TRL will apply with those weights, g = a + lambda b, when the
+        method weighted the tokens 1 + lambda * s_t with the signs s_t of the step model it built (else None).
+        On-policy, with a loss linear in the token weights, this is the gradient TRL's training pass would compute;
+        it is formed in place of a."""
+        estimator.release()
+        step, self._step = self._step, None
+        if step is None:
+            self._uses_step_model = False
+        if step is None or not gradient:
+            return None
+        signs, model = step
+        if weights is None:
+            lam = 0.0
+        else:
+            moved = signs != 0
+            lam = float(((weights - 1) * signs)[moved].median()) if moved.any() else 0.0
+            if not torch.allclose(weights, 1 + lam * signs, rtol=0, atol=8 * torch.finfo(torch.float32).eps):
+                return None  # not weights of the form 1 + lambda * s_t
+        return [a.add_(b, alpha=lam) for a, b in zip(model.a, model.b, strict=True)]

@@ -52,6 +52,9 @@ class RolloutCapture:
     def observe(self, logps: torch.Tensor, entropies: torch.Tensor, vocab: tuple) -> None:
         self.scores = Scores(logps.detach(), entropies.detach(), *vocab)
 
+    def served(self) -> None:
+        return None  # TRL's pass runs
+
 
 @dataclass
 class RolloutState:
@@ -71,6 +74,10 @@ class RolloutWeigher:
     reduce_sum: sums a tensor over ranks.
     num_iterations: TRL's updates per rollout batch.
     trl_scores_rollout: whether TRL runs its own old-log-prob pass over a rollout.
+    writes_gradient: TRL's loss gradient is linear in the token weights (``LossMirror.gradient_is_linear``) and the
+        method adds no micro-batch terms: where the method's weights are 1 + lambda * s_t of the step model it built,
+        the rollout pass has the gradient TRL's training pass would compute, a + lambda b, and TRL's pass is skipped
+        (the loss is computed from the estimate's scores, so TRL's metrics are still logged).
     """
 
     def __init__(
@@ -84,10 +91,12 @@ class RolloutWeigher:
         reduce_sum: Callable[[torch.Tensor], torch.Tensor],
         num_iterations: int,
         trl_scores_rollout: bool,
+        writes_gradient: bool = False,
     ):
         self.method, self.estimate, self.loss, self.scorer = method, estimate, loss, scorer
         self.param, self.audit, self.reduce_sum = param, audit, reduce_sum
         self.num_iterations, self.trl_scores_rollout = num_iterations, trl_scores_rollout
+        self.writes_gradient = writes_gradient
         self.state = RolloutState()
 
     def capture(self, ref_model: Any) -> RolloutCapture | None:
@@ -140,7 +149,7 @@ class RolloutWeigher:
                     "importance-sampling correction, whose scoring pass TRL runs with the images and OPEFO reuses."
                 )
         context = MethodContext(self.reduce_sum)
-        flow = None
+        flow = estimator = None
         if self.param is not None:
             estimator, flow = self.param.estimate(items)
             context.step_model = partial(self.param.step_change, estimator, flow, items)
@@ -156,12 +165,20 @@ class RolloutWeigher:
             }
         )
         weights = self.method.rollout_weights(whole, context)
+        gradient = None
+        if self.param is not None and estimator is not None:
+            gradient = self.param.finish(estimator, weights, self.writes_gradient)
         parts = [None] * len(items) if weights is None else weights.split([len(b.logps) for b in token_batches])
-        for item, part in zip(items, parts, strict=True):
+        for i, (item, part) in enumerate(zip(items, parts, strict=True)):
             if part is not None:
                 item.batch["advantages"] = item.advantages * part
             item.batch[STATE_KEY] = MicroBatchState(
-                item.advantages, item.factor, item.unit_flow, audit_entropies=item.audit_entropies
+                item.advantages,
+                item.factor,
+                item.unit_flow,
+                audit_entropies=item.audit_entropies,
+                served=None if gradient is None else item.scores,
+                gradient=gradient if i == 0 else None,
             )
         if flow is not None:
             self.audit.keep_param_flow(flow)

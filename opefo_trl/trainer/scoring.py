@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from trl.models.utils import disable_gradient_checkpointing
@@ -53,6 +53,19 @@ def core_model(model: Any) -> Any:
     """The causal LM carrying the fused head: a PEFT model's base model, else the (unwrapped) model itself."""
     get_base_model = getattr(model, "get_base_model", None)
     return get_base_model() if callable(get_base_model) else model
+
+
+class ScoringObserver(Protocol):
+    """What observes one of TRL's scoring calls (`RolloutCapture`, `LossCall`)."""
+
+    needs_vocab_stats: bool
+
+    def accepts(self, model: Any) -> bool: ...
+
+    def observe(self, logps: torch.Tensor, entropies: torch.Tensor, vocab: tuple) -> None: ...
+
+    def served(self) -> tuple[torch.Tensor, torch.Tensor, Any] | None:
+        """What the call returns without running the model (None: it runs)."""
 
 
 @dataclass
@@ -123,7 +136,6 @@ class Scorer:
                 temperature=self.temperature,
                 logit_scale=logit_scale(text_config),
                 softcap=getattr(text_config, "final_logit_softcapping", None),
-                token_chunk_size=self.token_chunk_size,
             )
         return Scores(logps, entropies)
 

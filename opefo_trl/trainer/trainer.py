@@ -34,7 +34,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -57,17 +57,7 @@ from opefo_trl.trainer.micro_batch import MicroBatchWeigher  # noqa: E402
 from opefo_trl.trainer.param_estimate import ParamEstimate  # noqa: E402
 from opefo_trl.trainer.rollout import RolloutWeigher  # noqa: E402
 from opefo_trl.trainer.sampler import EpochSeededSampler  # noqa: E402
-from opefo_trl.trainer.scoring import Scorer, core_model  # noqa: E402
-
-
-class ScoringObserver(Protocol):
-    """What observes one of TRL's scoring calls (`RolloutCapture`, `LossCall`)."""
-
-    needs_vocab_stats: bool
-
-    def accepts(self, model: Any) -> bool: ...
-
-    def observe(self, logps: torch.Tensor, entropies: torch.Tensor, vocab: tuple) -> None: ...
+from opefo_trl.trainer.scoring import Scorer, ScoringObserver, core_model  # noqa: E402
 
 
 class OPEFOTrainer(GRPOTrainer):
@@ -159,6 +149,8 @@ class OPEFOTrainer(GRPOTrainer):
                 self.audit,
                 self._reduce_sum,
                 num_iterations=self.num_iterations,
+                writes_gradient=self.loss_mirror.gradient_is_linear
+                and type(self.token_method).micro_batch_terms is TokenMethod.micro_batch_terms,
                 trl_scores_rollout=trl_scores_rollout(
                     args,
                     use_vllm=self.use_vllm,
@@ -177,6 +169,7 @@ class OPEFOTrainer(GRPOTrainer):
             self._reduce_sum,
             self._log_metrics,
             main_process,
+            self._trainable_parameters,
         )
         self.reward_check = RewardCheck()
         self.add_callback(self.audit)
@@ -247,7 +240,7 @@ class OPEFOTrainer(GRPOTrainer):
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, **kwargs
             )
         with self.scorer.capture_hidden_states(observer.needs_vocab_stats) as hidden:
-            logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
+            logps, entropies, aux_loss = observer.served() or super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, compute_entropy=True, **kwargs
             )
         observer.observe(logps, entropies, self.scorer.vocab_stats(hidden, logits_to_keep))

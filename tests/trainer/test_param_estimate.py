@@ -1,0 +1,116 @@
+"""opefo_trl.trainer.param_estimate through the trainer: the gradient the step balance writes instead of TRL's training
+pass is the one TRL's own pass computes, for every loss type, and it is written only where it is exact."""
+
+import pytest
+import torch
+from trainer_setup import make_config, make_trainer
+from transformers import TrainerCallback, set_seed
+
+from opefo_trl.trainer.loss_mirror import LOSS_TYPES
+
+STEP_BALANCE = dict(
+    entropy_flow_estimate="param", opefo_balance="step", gradient_accumulation_steps=2, per_device_train_batch_size=4
+)
+
+
+class Gradients(TrainerCallback):
+    """The gradient the optimizer is about to apply, and the backbone forwards that are not single-token decoding."""
+
+    def __init__(self, trainer):
+        self.trainer, self.gradients, self.forwards = trainer, [], 0
+        backbone = trainer.accelerator.unwrap_model(trainer.model).base_model
+        backbone.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.forwards += int(ids is None or ids.shape[-1] > 1)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.gradients.append([p.grad.detach().clone() for p in self.trainer._trainable_parameters()])
+
+
+def _first_step(tiny_model_path, tiny_dataset, length_reward, tmp_path, writes, **overrides):
+    set_seed(0)
+    args = make_config(tmp_path, max_steps=1, max_grad_norm=0, optim="adamw_torch", **STEP_BALANCE, **overrides)
+    trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
+    assert trainer.rollout.writes_gradient
+    trainer.rollout.writes_gradient = writes
+    recorded = Gradients(trainer)
+    trainer.add_callback(recorded)
+    trainer.train()
+    return trainer, recorded
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_the_written_gradient_is_the_one_trls_own_pass_computes(
+    tiny_model_path, tiny_dataset, length_reward, tmp_path, loss_type
+):
+    """The same first rollout, lambda and parameters: g = a + lambda b written into .grad against the gradient of
+    TRL's own loss. Both are float32 sums of the same per-token terms through two float32 LM heads (TRL's fused one,
+    the estimate's own), so they agree to float32 rounding of the largest entry, ~1e-7 relative; 1e-5 is the bound.
+    A copy that wrote a alone (lambda ignored) or scaled by the accumulation twice is off by ~lambda |b| or 2x."""
+    extra = dict(vllm_importance_sampling_mode="token_truncate") if loss_type == "vespo" else {}
+    runs = {
+        writes: _first_step(
+            tiny_model_path, tiny_dataset, length_reward, tmp_path, writes, loss_type=loss_type, **extra
+        )
+        for writes in (True, False)
+    }
+    (written,), (trl,) = runs[True][1].gradients, runs[False][1].gradients
+    scale = max(float(g.abs().max()) for g in trl)
+    for ours, theirs in zip(written, trl, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5 * scale)
+    logs = {writes: trainer.state.log_history[0] for writes, (trainer, _) in runs.items()}
+    assert logs[True]["opefo/lambda_applied"] == logs[False]["opefo/lambda_applied"] != 0
+    assert logs[True]["loss"] == pytest.approx(logs[False]["loss"], rel=1e-5, abs=1e-9)  # TRL's metrics still logged
+    assert logs[True]["entropy"] == pytest.approx(logs[False]["entropy"], rel=1e-5)
+    # TRL's training pass (one forward per micro-batch) is not run.
+    assert runs[False][1].forwards - runs[True][1].forwards == 2
+
+
+@pytest.mark.parametrize(
+    "overrides, linear",
+    [
+        (dict(), True),
+        (dict(beta=0.1, opefo_balance="batch"), False),  # the KL term's gradient is not the factor's
+        (dict(method="grpo", entropy_coef=1e-3), False),  # nor is TRL's entropy bonus
+        (dict(opefo_balance="batch", num_iterations=2, allow_off_policy=True), False),  # ratio != 1 on the second pass
+    ],
+    ids=["step_balance", "kl", "entropy_bonus", "off_policy"],
+)
+def test_trls_gradient_is_linear_in_the_weights_only_on_policy_without_other_terms(
+    tiny_model_path, tiny_dataset, length_reward, tmp_path, overrides, linear
+):
+    settings = {**STEP_BALANCE, **overrides}
+    if settings.get("method") == "grpo":
+        settings.pop("opefo_balance")
+    trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path, **settings))
+    assert trainer.loss_mirror.gradient_is_linear is linear
+    if trainer.rollout is not None:
+        assert trainer.rollout.writes_gradient is linear
+
+
+@pytest.mark.parametrize("balance, passes", [("batch", 7), ("step", 7)])
+def test_the_step_balance_costs_the_batch_balance_s_passes(
+    tiny_model_path, tiny_dataset, length_reward, tmp_path, balance, passes
+):
+    """Backbone forwards besides decoding, accumulation 2: GRPO's (prefill, 2 training forwards) + the estimate's
+    (a gradient forward and a forward-mode pass per micro-batch); the step balance adds b's forward per micro-batch
+    and saves TRL's training pass."""
+    args = make_config(tmp_path, max_steps=1, **{**STEP_BALANCE, "opefo_balance": balance})
+    trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
+    recorded = Gradients(trainer)
+    trainer.add_callback(recorded)
+    trainer.train()
+    assert recorded.forwards == passes
+
+
+def test_a_method_with_micro_batch_terms_keeps_trls_pass(
+    tiny_model_path, tiny_dataset, length_reward, tmp_path, monkeypatch
+):
+    from opefo_trl.methods import OPEFO, TokenTerms
+
+    monkeypatch.setattr(OPEFO, "micro_batch_terms", lambda self, batch, logps, context=None: TokenTerms())
+    trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path, **STEP_BALANCE))
+    assert trainer.loss_mirror.gradient_is_linear and not trainer.rollout.writes_gradient
