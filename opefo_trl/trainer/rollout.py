@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -32,6 +33,7 @@ from opefo_trl.trainer.batch_state import (
     Scores,
     per_token,
 )
+from opefo_trl.trainer.generation_stats import GenerationStats
 from opefo_trl.trainer.loss_mirror import LossMirror
 from opefo_trl.trainer.param_estimate import ParamEstimate, RolloutItem
 from opefo_trl.trainer.scoring import Scorer
@@ -78,6 +80,8 @@ class RolloutWeigher:
         method adds no micro-batch terms: where the method's weights are 1 + lambda * s_t of the step model it built,
         the rollout pass has the gradient TRL's training pass would compute, a + lambda b, and TRL's pass is skipped
         (the loss is computed from the estimate's scores, so TRL's metrics are still logged).
+    generation: reads log pi_t and H_t from the logits of generation (``GenerationStats``), where they would
+        otherwise take a scoring pass of their own.
     """
 
     def __init__(
@@ -92,16 +96,21 @@ class RolloutWeigher:
         num_iterations: int,
         trl_scores_rollout: bool,
         writes_gradient: bool = False,
+        generation: GenerationStats | None = None,
     ):
         self.method, self.estimate, self.loss, self.scorer = method, estimate, loss, scorer
         self.param, self.audit, self.reduce_sum = param, audit, reduce_sum
         self.num_iterations, self.trl_scores_rollout = num_iterations, trl_scores_rollout
-        self.writes_gradient = writes_gradient
+        self.writes_gradient, self.generation = writes_gradient, generation
         self.state = RolloutState()
 
     def capture(self, ref_model: Any) -> RolloutCapture | None:
         """What observes TRL's old-log-prob pass of the rollout about to be generated (None: TRL runs none)."""
         return RolloutCapture(ref_model, self.estimate == "full") if self.trl_scores_rollout else None
+
+    def recording(self, model: Any) -> AbstractContextManager:
+        """The block in which TRL generates the rollout: generation's logits are read there (``generation``)."""
+        return nullcontext() if self.generation is None else self.generation.recording(model)
 
     def generated(self, output: dict, capture: RolloutCapture | None) -> dict:
         """TRL's rollout batch, with each completion's row when TRL's pass was captured (found again after TRL's
@@ -113,8 +122,12 @@ class RolloutWeigher:
                     "OPEFOTrainer captured a scoring pass that is not TRL's old-log-prob pass; this TRL version's "
                     "_generate_and_score_completions differs from the supported one."
                 )
-            output[ROLLOUT_ROW_KEY] = torch.arange(len(old_logps), device=old_logps.device)
             self.state.captured = capture.scores
+        elif self.generation is not None:
+            self.state.captured = self.generation.scores(output["completion_ids"])
+        if self.state.captured is not None:
+            rows = len(output["completion_ids"])
+            output[ROLLOUT_ROW_KEY] = torch.arange(rows, device=output["completion_ids"].device)
         self.state.pending = True
         return output
 

@@ -52,6 +52,7 @@ from opefo_trl.trainer import model_setup  # noqa: E402
 from opefo_trl.trainer.audit import EntropyAudit  # noqa: E402
 from opefo_trl.trainer.checks import RewardCheck, check_training_values  # noqa: E402
 from opefo_trl.trainer.config import OPEFOConfig, with_opefo_settings  # noqa: E402
+from opefo_trl.trainer.generation_stats import GenerationStats  # noqa: E402
 from opefo_trl.trainer.loss_mirror import LossMirror, trl_scores_rollout  # noqa: E402
 from opefo_trl.trainer.micro_batch import MicroBatchWeigher  # noqa: E402
 from opefo_trl.trainer.param_estimate import ParamEstimate  # noqa: E402
@@ -139,6 +140,12 @@ class OPEFOTrainer(GRPOTrainer):
             optimizer=self._torch_optimizer,
         )
         self.param_estimate = self._param_estimate() if rollout_flow and estimate == "param" else None
+        trl_scores = trl_scores_rollout(
+            args, use_vllm=self.use_vllm, importance_sampling_correction=self.vllm_importance_sampling_correction
+        )
+        # Without TRL's pass, a rollout of several micro-batches takes log pi and H from generation's logits.
+        reads_generation = not (trl_scores or self.use_vllm) and estimate in ("opefo", "onaction", "sign")
+        reads_generation = reads_generation and self.loss_mirror.steps_per_generation > 1
         self.rollout = (
             RolloutWeigher(
                 self.token_method,
@@ -149,13 +156,10 @@ class OPEFOTrainer(GRPOTrainer):
                 self.audit,
                 self._reduce_sum,
                 num_iterations=self.num_iterations,
+                trl_scores_rollout=trl_scores,
                 writes_gradient=self.loss_mirror.gradient_is_linear
                 and type(self.token_method).micro_batch_terms is TokenMethod.micro_batch_terms,
-                trl_scores_rollout=trl_scores_rollout(
-                    args,
-                    use_vllm=self.use_vllm,
-                    importance_sampling_correction=self.vllm_importance_sampling_correction,
-                ),
+                generation=GenerationStats(self.temperature) if reads_generation else None,
             )
             if rollout_flow
             else None
@@ -221,7 +225,7 @@ class OPEFOTrainer(GRPOTrainer):
         if not self.model.training or self.rollout is None:
             return super()._generate_and_score_completions(inputs)
         capture = self.rollout.capture(self.ref_model)
-        with self._observing(capture):
+        with self._observing(capture), self.rollout.recording(self._core_model()):
             output = super()._generate_and_score_completions(inputs)
         return self.rollout.generated(output, capture)
 

@@ -464,23 +464,28 @@ def _scoring_passes(trainer):
     [
         (dict(), 0),  # one micro-batch: the training forward gives the statistics
         (dict(num_iterations=2, allow_off_policy=True), 0),  # TRL's old-log-prob pass is reused
-        # one no-grad pass over the rollout batch, one backbone call per micro-batch
-        (dict(gradient_accumulation_steps=2, per_device_train_batch_size=4), 2),
+        # several micro-batches: log pi and H read from generation's logits (trainer/generation_stats.py)
+        (dict(gradient_accumulation_steps=2, per_device_train_batch_size=4), 0),
+        # the same, when generation's statistics are not read: a no-grad pass over the rollout, per micro-batch
+        (dict(gradient_accumulation_steps=2, per_device_train_batch_size=4, from_generation=False), 2),
     ],
-    ids=["single_micro_batch", "trl_scoring_pass_reused", "accumulation"],
+    ids=["single_micro_batch", "trl_scoring_pass_reused", "accumulation", "accumulation_scoring_pass"],
 )
 def test_opefo_adds_a_forward_pass_only_when_trl_has_none_to_share(
     tiny_model_path, tiny_dataset, length_reward, tmp_path, overrides, extra_calls
 ):
     from trl import GRPOConfig, GRPOTrainer
 
+    overrides = dict(overrides)
+    from_generation = overrides.pop("from_generation", True)
     settings = base_settings(tmp_path, **{k: v for k, v in overrides.items() if k != "allow_off_policy"})
     grpo = _scoring_passes(
         make_trainer(tiny_model_path, tiny_dataset, length_reward, GRPOConfig(**settings), GRPOTrainer)
     )
-    opefo = _scoring_passes(
-        make_trainer(tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path, **overrides))
-    )
+    trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path, **overrides))
+    if not from_generation:
+        trainer.rollout.generation = None
+    opefo = _scoring_passes(trainer)
     rollouts = 2 if overrides.get("num_iterations") is None else 1  # max_steps=2
     assert opefo - grpo == extra_calls * rollouts
 

@@ -1,0 +1,62 @@
+"""opefo_trl.trainer.generation_stats: a rollout of several micro-batches takes log pi_t and H_t from generation's own
+logits instead of a scoring pass, and they are the scoring pass's to float32 rounding."""
+
+import pytest
+import torch
+from trainer_setup import logged, make_config, make_trainer, spy
+from transformers import set_seed
+
+from opefo_trl.trainer.batch_state import ROLLOUT_ROW_KEY
+
+ACCUMULATION = dict(gradient_accumulation_steps=2, per_device_train_batch_size=4)
+
+
+def _run(tiny_model_path, tiny_dataset, length_reward, tmp_path, from_generation):
+    set_seed(0)
+    trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path, **ACCUMULATION))
+    assert trainer.rollout.generation is not None
+    if not from_generation:
+        trainer.rollout.generation = None  # the no-grad scoring pass instead
+    rollouts = []
+
+    def record(weigh, batches, captured=None):
+        rollouts.append(([dict(b) for b in batches], captured))
+        weigh(batches, captured)
+
+    spy(trainer.rollout, "weigh", record)
+    trainer.train()
+    return trainer, rollouts
+
+
+def test_lambda_star_from_generation_is_the_scoring_pass_one(tiny_model_path, tiny_dataset, length_reward, tmp_path):
+    """Same seed, two runs of 2 steps: OPEFO's lambda* from generation's statistics against lambda* from the no-grad
+    scoring pass; float32 rounding of the two forwards moves it by ~1e-7 (bound 1e-5)."""
+    common = (tiny_model_path, tiny_dataset, length_reward, tmp_path)
+    ours, rollouts = _run(*common, from_generation=True)
+    assert len(rollouts) == 2 and all(captured is not None for _, captured in rollouts)  # no scoring pass of ours
+    reference, reference_rollouts = _run(*common, from_generation=False)
+    assert all(captured is None for _, captured in reference_rollouts)
+    lam, lam_reference = logged(ours, "opefo/lambda"), logged(reference, "opefo/lambda")
+    assert lam == pytest.approx(lam_reference, abs=1e-5), (lam, lam_reference)
+    assert min(abs(x) for x in lam) > 1e-3
+
+
+def test_the_statistics_read_from_generation_are_the_scoring_passs(
+    tiny_model_path, tiny_dataset, length_reward, tmp_path
+):
+    """Token by token, on the micro-batches TRL trains on (rows found again after TRL's shuffle): the KV-cached
+    generation and the teacher-forced scoring pass differ by float32 rounding (~1e-6 on |log pi| <= 10)."""
+    trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path, **ACCUMULATION))
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2
+    captured = []
+    spy(trainer.rollout, "weigh", lambda weigh, batches, scores=None: captured.append((batches, scores)))
+    trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    ((batches, scores),) = captured
+    assert scores is not None
+    for batch in batches:
+        rows = scores.rows(batch[ROLLOUT_ROW_KEY])
+        scored = trainer.scorer.score(batch)
+        mask = batch["completion_mask"].bool()
+        torch.testing.assert_close(rows.logps[mask], scored.logps[mask], rtol=0, atol=1e-5)
+        torch.testing.assert_close(rows.entropies[mask], scored.entropies[mask], rtol=0, atol=1e-5)
