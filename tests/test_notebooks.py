@@ -27,6 +27,8 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
+pytestmark = pytest.mark.slow
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
@@ -157,8 +159,10 @@ def check_quickstart(result: dict, workdir: Path) -> None:
         assert len(logged(history, "entropy")) == result["max_steps"]
         assert len(logged(history, "reward")) == result["max_steps"]
     opefo, grpo = histories["opefo"], histories["grpo"]
-    # Same seed and data: the first rollout batch (before any update) is identical in both runs.
-    assert logged(opefo, "entropy_flow/lambda")[0] == pytest.approx(logged(grpo, "entropy_flow/lambda")[0])
+    # Same seed and data: the first rollout batch (before any update) is identical in both runs. OPEFO reads log pi
+    # and H from generation's logits, GRPO's diagnostics from the training forward: float32 rounding of two forwards
+    # (~1e-6 in log pi) moves lambda* by ~1e-6.
+    assert logged(opefo, "entropy_flow/lambda")[0] == pytest.approx(logged(grpo, "entropy_flow/lambda")[0], abs=1e-5)
     # OPEFO applied lambda* and balanced the flow of every batch; the GRPO run only logged the diagnostics.
     assert any(lam != 0.0 for lam in logged(opefo, "entropy_flow/lambda"))
     assert logged(opefo, "opefo/lambda_applied") == pytest.approx(logged(opefo, "entropy_flow/lambda"))

@@ -28,6 +28,8 @@ from transformers.integrations.deepspeed import propagate_args_to_deepspeed, uns
 
 from opefo_trl.cli.train import parse_args
 
+pytestmark = pytest.mark.slow
+
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 ACCELERATE = os.path.join(REPO, "recipes", "accelerate")
 STRICT_RECIPE = os.path.join(REPO, "recipes", "qwen2.5-math-7b", "opefo.yaml")

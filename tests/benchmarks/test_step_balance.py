@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+pytestmark = [pytest.mark.slow, pytest.mark.numerics]
+
 
 def _load(name):
     path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", f"{name}.py")

@@ -9,6 +9,8 @@ import pytest
 from opefo_trl.demo import run_demo
 from opefo_trl.demo.diagnose import compare_histories, diagnose, main, token_classes
 
+pytestmark = pytest.mark.slow
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

@@ -8,6 +8,8 @@ from opefo_trl.demo import HeldOutResult, evaluate_held_out
 from opefo_trl.demo.tasks import TASKS
 from opefo_trl.eval.pass_at_k import pass_at_k
 
+pytestmark = pytest.mark.slow
+
 
 class ScriptedModel(torch.nn.Module):
     """Stands in for a causal LM: ``generate`` returns the prompts followed by scripted answers (samples of one

@@ -9,6 +9,8 @@ import pytest
 from opefo_trl.demo import REQUIRED_METRICS, TASKS, DemoSettings, main
 from opefo_trl.demo.runner import settings_flags
 
+pytestmark = pytest.mark.slow
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

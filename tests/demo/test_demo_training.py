@@ -8,6 +8,8 @@ from opefo_trl.demo import DemoMethod, summarize_history, train_one, warm_start
 from opefo_trl.demo.training import FINAL_WINDOW
 from opefo_trl.methods import OPEFO
 
+pytestmark = pytest.mark.slow
+
 
 def _history(entropies, rewards, lambdas, measured):
     rows = [

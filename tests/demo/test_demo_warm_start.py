@@ -3,8 +3,12 @@
 import json
 import math
 
+import pytest
+
 from opefo_trl.demo import warm_start
 from opefo_trl.demo.warm_start import WARM_START_MARKER
+
+pytestmark = pytest.mark.slow
 
 
 def test_warm_start_is_cached_per_task_numerics_and_settings(tmp_path, tiny_settings):

@@ -12,6 +12,8 @@ from opefo_trl.maths.entropy_flow import (
     token_weights,
 )
 
+pytestmark = pytest.mark.numerics
+
 
 def _entropy(logits: torch.Tensor) -> torch.Tensor:
     logp = torch.log_softmax(logits, -1)

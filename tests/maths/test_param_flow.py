@@ -20,6 +20,8 @@ from opefo_trl.maths.step_model import (
     solve_step_balance,
 )
 
+pytestmark = pytest.mark.numerics
+
 PROMPT, COMPLETION, BATCH = 4, 6, 16
 
 

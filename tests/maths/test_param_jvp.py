@@ -12,6 +12,8 @@ import torch
 from opefo_trl.maths.param_flow import ParamFlowEstimator
 from opefo_trl.maths.param_jvp import completion_jvp, head_jvp, named_tangents
 
+pytestmark = pytest.mark.numerics
+
 EPS64 = torch.finfo(torch.float64).eps
 EPS32 = torch.finfo(torch.float32).eps
 #: The logit transform the model tests use (a Gemma-like softcap included where parametrised).

@@ -3,6 +3,8 @@ import torch
 
 from opefo_trl.maths.vocab_stats import vocab_stats
 
+pytestmark = pytest.mark.numerics
+
 
 def _reference(hidden, weight, bias, temperature, logit_scale=1.0, softcap=None):
     z = (hidden.double() @ weight.double().T + (0 if bias is None else bias.double())) * logit_scale

@@ -11,6 +11,8 @@ import torch
 from opefo_trl.maths.entropy_flow import flow_stats
 from opefo_trl.trainer.batch_state import STATE_KEY
 
+pytestmark = [pytest.mark.slow, pytest.mark.numerics]
+
 
 def _run_two_ranks(model_path, tmp_path, accumulation, estimate, balance="batch", loss_type="dapo", dtype="float32"):
     worker = os.path.join(os.path.dirname(__file__), "distributed_worker.py")

@@ -8,6 +8,8 @@ from transformers import set_seed
 
 from opefo_trl.trainer.batch_state import ROLLOUT_ROW_KEY
 
+pytestmark = pytest.mark.numerics
+
 ACCUMULATION = dict(gradient_accumulation_steps=2, per_device_train_batch_size=4)
 
 

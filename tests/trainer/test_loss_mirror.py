@@ -8,6 +8,8 @@ from trainer_setup import make_config, make_trainer
 from opefo_trl.trainer.batch_state import STATE_KEY
 from opefo_trl.trainer.loss_mirror import LOSS_TYPES, LossMirror
 
+pytestmark = pytest.mark.numerics
+
 
 def _micro_batch_with_unequal_lengths(trainer):
     """The first micro-batch TRL would train on (accumulation 2), with completions of different lengths."""

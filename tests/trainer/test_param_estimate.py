@@ -8,6 +8,8 @@ from transformers import TrainerCallback, set_seed
 
 from opefo_trl.trainer.loss_mirror import LOSS_TYPES
 
+pytestmark = pytest.mark.numerics
+
 STEP_BALANCE = dict(
     entropy_flow_estimate="param", opefo_balance="step", gradient_accumulation_steps=2, per_device_train_batch_size=4
 )

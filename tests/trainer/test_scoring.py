@@ -9,6 +9,8 @@ from trainer_setup import make_config, make_trainer
 
 from opefo_trl.trainer.scoring import logit_scale
 
+pytestmark = pytest.mark.numerics
+
 
 def test_the_full_statistics_see_the_logits_trl_fused_head_sees(tiny_model_path, tiny_dataset, length_reward, tmp_path):
     """Logit scale, softcapping and temperature as TRL's head applies them: the entropy computed from the captured

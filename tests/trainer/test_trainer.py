@@ -150,6 +150,7 @@ def _parameters_after_one_step(train, args, trainer_class):
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_lambda_zero_takes_the_same_step_as_grpo_and_lambda_star_does_not(train, tmp_path, accumulation):
     from trl import GRPOConfig, GRPOTrainer
@@ -209,6 +210,7 @@ def test_diagnostics_switched_off_log_no_entropy_flow_metrics(train, tmp_path, m
         assert all(len(logged(trainer, name)) == 2 for name in OPEFO_METRICS)
 
 
+@pytest.mark.numerics
 def test_grpo_diagnostics_equal_the_maths_on_the_same_batch(train, tmp_path):
     """Recompute log pi and H with a plain full-softmax forward of the pre-step model, then the flow by hand."""
     seen = []
@@ -244,6 +246,7 @@ def test_grpo_diagnostics_equal_the_maths_on_the_same_batch(train, tmp_path):
         assert logged(trainer, name)[0] == pytest.approx(expected[name], rel=1e-3, abs=1e-9), name
 
 
+@pytest.mark.numerics
 def test_lambda_star_balances_the_flow_of_the_tokens_trl_keeps_under_an_entropy_mask(train, tmp_path):
     """top_entropy_quantile < 1: TRL trains on the high-entropy tokens only; lambda* must balance their flow."""
     from trl import GRPOTrainer
@@ -313,6 +316,7 @@ def emulated_vllm(monkeypatch):
     return ratios
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_lambda_star_balances_the_importance_weighted_flow_trl_applies(
     tiny_model_path, tiny_dataset, length_reward, tmp_path, emulated_vllm, accumulation
@@ -490,6 +494,7 @@ def test_opefo_adds_a_forward_pass_only_when_trl_has_none_to_share(
     assert opefo - grpo == extra_calls * rollouts
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -585,6 +590,7 @@ def _audit(trainer, *names):
     return [logged(trainer, f"entropy_flow/{name}") for name in names]
 
 
+@pytest.mark.numerics
 def test_param_with_sgd_predicts_the_measured_change_and_opefo_cancels_it(
     warm_model_path, tiny_dataset, length_reward, tmp_path
 ):
@@ -609,6 +615,7 @@ def test_param_with_sgd_predicts_the_measured_change_and_opefo_cancels_it(
     assert abs(grpo_measured[0]) >= 20 * abs(opefo_measured[0]), (grpo_measured[0], opefo_measured[0])
 
 
+@pytest.mark.numerics
 def test_grpo_with_param_and_adamw_predicts_the_measured_change_at_a_small_learning_rate(
     warm_model_path, tiny_dataset, length_reward, tmp_path
 ):
@@ -639,6 +646,7 @@ def warm_model_float64(warm_model_path, keep_dtype_rms_norm):
     return load
 
 
+@pytest.mark.numerics
 def test_the_step_balance_zeroes_the_first_order_change_of_the_real_adamw_step(
     warm_model_float64, warm_model_path, tiny_dataset, length_reward, tmp_path
 ):
@@ -693,6 +701,7 @@ def _first_rollout(tiny_model_path, tiny_dataset, length_reward, args):
     return trainer, captured[0]
 
 
+@pytest.mark.numerics
 def test_param_under_bf16_autocast_gives_the_float32_lambda_star(
     tiny_model_path, tiny_dataset, length_reward, tmp_path
 ):
