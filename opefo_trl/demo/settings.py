@@ -21,37 +21,45 @@ class DemoMethod:
         return self.config.get("entropy_flow_estimate", "opefo")
 
 
+#: How the demo's report names a registered method (others: the method's own summary).
+METHOD_DESCRIPTIONS = {
+    "grpo": "strict on-policy GRPO",
+    "opefo": "OPEFO, the paper's `opefo` estimate",
+    "clip_cov": "Clip-Cov",
+    "par": "PAR (entropy-guided positive-advantage reweighting)",
+}
+
+
 def demo_methods(entropy_coef: float) -> dict[str, DemoMethod]:
-    """The methods the demo can run (``entropy_coef`` is Entropy-Reg's bonus coefficient)."""
-    return {
-        m.name: m
-        for m in (
-            DemoMethod("grpo", "strict on-policy GRPO", {"method": "grpo"}),
-            DemoMethod("opefo", "OPEFO, the paper's `opefo` estimate", {"method": "opefo"}),
-            DemoMethod(
-                "opefo_param_step",
-                "OPEFO, `param`, whole AdamW step balanced (`opefo_balance='step'`)",
-                {"method": "opefo", "entropy_flow_estimate": "param", "opefo_balance": "step"},
-            ),
-            DemoMethod(
-                "entropy_reg",
-                f"GRPO + entropy bonus (entropy_coef={entropy_coef:g})",
-                {"method": "grpo", "entropy_coef": entropy_coef},
-            ),
-            DemoMethod(
-                "opefo_param",
-                "OPEFO, `param`, the paper's per-batch balance",
-                {"method": "opefo", "entropy_flow_estimate": "param"},
-            ),
-            DemoMethod(
-                "opefo_full",
-                "OPEFO, exact tabular estimate (`full`)",
-                {"method": "opefo", "entropy_flow_estimate": "full"},
-            ),
-            DemoMethod("clip_cov", "Clip-Cov", {"method": "clip_cov"}),
-            DemoMethod("par", "PAR (entropy-guided positive-advantage reweighting)", {"method": "par"}),
-        )
-    }
+    """The methods the demo can run: every registered token method at its defaults, and the configurations of the
+    comparison that are not a method of their own (``entropy_coef`` is Entropy-Reg's bonus coefficient)."""
+    from opefo_trl.methods import TOKEN_METHODS
+
+    registered = [
+        DemoMethod(name, METHOD_DESCRIPTIONS.get(name, f"{cls.__name__}: {cls.summary}"), {"method": name})
+        for name, cls in TOKEN_METHODS.items()
+    ]
+    variants = [
+        DemoMethod(
+            "opefo_param_step",
+            "OPEFO, `param`, whole AdamW step balanced (`opefo_balance='step'`)",
+            {"method": "opefo", "entropy_flow_estimate": "param", "opefo_balance": "step"},
+        ),
+        DemoMethod(
+            "entropy_reg",
+            f"GRPO + entropy bonus (entropy_coef={entropy_coef:g})",
+            {"method": "grpo", "entropy_coef": entropy_coef},
+        ),
+        DemoMethod(
+            "opefo_param",
+            "OPEFO, `param`, the paper's per-batch balance",
+            {"method": "opefo", "entropy_flow_estimate": "param"},
+        ),
+        DemoMethod(
+            "opefo_full", "OPEFO, exact tabular estimate (`full`)", {"method": "opefo", "entropy_flow_estimate": "full"}
+        ),
+    ]
+    return {m.name: m for m in (*registered, *variants)}
 
 
 METHOD_NAMES = tuple(demo_methods(0.0))
