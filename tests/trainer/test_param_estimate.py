@@ -3,7 +3,7 @@ pass is the one TRL's own pass computes, for every loss type, and it is written 
 
 import pytest
 import torch
-from trainer_setup import make_config, make_trainer
+from trainer_setup import make_config, make_trainer, spy
 from transformers import TrainerCallback, set_seed
 
 from opefo_trl.trainer.loss_mirror import LOSS_TYPES
@@ -116,3 +116,63 @@ def test_a_method_with_micro_batch_terms_keeps_trls_pass(
     monkeypatch.setattr(OPEFO, "micro_batch_terms", lambda self, batch, logps, context=None: TokenTerms())
     trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path, **STEP_BALANCE))
     assert trainer.loss_mirror.gradient_is_linear and not trainer.rollout.writes_gradient
+
+
+def _first_rollout(trainer):
+    """The micro-batches of the trainer's first rollout, before they are weighed."""
+    trainer.create_optimizer()
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
+    captured = []
+    spy(trainer.rollout, "weigh", lambda weigh, batches, scores=None: captured.append([dict(b) for b in batches]))
+    trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    return captured[0]
+
+
+def _lambda_star(trainer, batches, jitter_seed=None):
+    """lambda* of the `param` estimate of one rollout's micro-batches (the parameters optionally multiplied by
+    1 + 1e-7 N(0, 1) first, and restored)."""
+    from opefo_trl.trainer.batch_state import per_token
+    from opefo_trl.trainer.param_estimate import RolloutItem
+
+    saved = [p.detach().clone() for p in trainer.model.parameters()]
+    if jitter_seed is not None:
+        noise = torch.Generator().manual_seed(jitter_seed)
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.mul_(1 + 1e-7 * torch.randn(p.shape, generator=noise, dtype=torch.float64).to(p.dtype))
+    items = [RolloutItem(dict(b), per_token(b["advantages"], b["completion_mask"]).float()) for b in batches]
+    lam = trainer.param_estimate.estimate(items)[1].lambda_star
+    with torch.no_grad():
+        for p, s in zip(trainer.model.parameters(), saved, strict=True):
+            p.copy_(s)
+    return lam
+
+
+@pytest.mark.numerics
+def test_lambda_star_of_the_warm_model_is_its_float64_one_and_ignores_a_1e7_jitter(
+    warm_model_path, tiny_dataset, length_reward, tmp_path, keep_dtype_rms_norm
+):
+    """The warm tiny model's first rollout (2 micro-batches; AdamW's first step, whose D = 1 / (|g| + eps) makes lambda*
+    the most sensitive): the float32 trainer's lambda* within 2.5e-5 (a tenth of the paper's smallest lambda*) of the
+    same weights' in float64 throughout, also after every parameter is multiplied by 1 + 1e-7 N(0, 1). That jitter
+    moves lambda* itself: by ~1e-5 in float64 here, and float32 adds less than 2.5e-5 to that."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    settings = {k: v for k, v in STEP_BALANCE.items() if k != "opefo_balance"}
+    fp32 = make_trainer(warm_model_path, tiny_dataset, length_reward, make_config(tmp_path, **settings))
+    batches = _first_rollout(fp32)
+    model64 = keep_dtype_rms_norm(AutoModelForCausalLM.from_pretrained(warm_model_path, dtype=torch.float64))
+    fp64 = make_trainer(
+        model64, tiny_dataset, length_reward, make_config(tmp_path, **settings),
+        processing_class=AutoTokenizer.from_pretrained(warm_model_path),
+    )  # fmt: skip
+    fp64.create_optimizer()
+    fp64.current_gradient_accumulation_steps = 2
+    reference, ours = _lambda_star(fp64, batches), _lambda_star(fp32, batches)
+    assert abs(reference) > 1e-3
+    assert abs(ours - reference) < 2.5e-5, (ours, reference)
+    for seed in range(2):
+        jittered, jittered64 = _lambda_star(fp32, batches, seed), _lambda_star(fp64, batches, seed)
+        assert abs(jittered - jittered64) < 2.5e-5, (seed, jittered, jittered64)
+        assert abs(jittered - ours) < abs(jittered64 - reference) + 2.5e-5
