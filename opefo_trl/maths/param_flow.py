@@ -135,7 +135,6 @@ class ParamFlowEstimator:
         self.params = [p for p in params if p.requires_grad]
         self.score, self.jvp, self.reduce_sum = score, jvp, reduce_sum
         self.optimizer, self.max_grad_norm = optimizer, max_grad_norm
-        self._kept_logps: torch.Tensor | None = None  # a single micro-batch's log pi_t, with its graph
 
     def _zeros(self) -> list[torch.Tensor]:
         return [torch.zeros_like(p, dtype=compute_dtype(p)) for p in self.params]
@@ -154,18 +153,9 @@ class ParamFlowEstimator:
     def _sum(self, value: torch.Tensor) -> float:
         return float(self.reduce_sum(value.double().reshape(1))[0])
 
-    def estimate(
-        self,
-        batches: Sequence[Any],
-        masks: Sequence[torch.Tensor],
-        coefficients: CoefficientFn,
-        keep_graph: bool = False,
-    ) -> ParamFlow:
+    def estimate(self, batches: Sequence[Any], masks: Sequence[torch.Tensor], coefficients: CoefficientFn) -> ParamFlow:
         """u_t of every micro-batch; ``masks`` select the tokens Hbar averages (the loss tokens), ``coefficients``
-        gives the unweighted loss's c_t from the scoring pass's detached log pi_t and H_t. ``keep_graph`` (one
-        micro-batch): its forward's graph is kept for ``signed_gradient``, which then needs no forward of its own (at
-        the memory of one training step's activations until then)."""
-        keep_graph = keep_graph and len(batches) == 1
+        gives the unweighted loss's c_t from the scoring pass's detached log pi_t and H_t."""
         tokens = max(self._sum(cast(torch.Tensor, sum(mask.sum() for mask in masks))), 1.0)  # masks: never empty
         entropy_grad, loss_grad = self._zeros(), self._zeros()
         logps_list, entropies_list, coefficient_list = [], [], []
@@ -174,8 +164,7 @@ class ParamFlowEstimator:
                 logps, entropies = self.score(batch)
                 coefficient = coefficients(batch, logps.detach(), entropies.detach()).to(logps.dtype)
                 self._accumulate(entropy_grad, (entropies * mask).sum() / tokens, retain=True)
-                self._accumulate(loss_grad, -(coefficient * logps).sum(), retain=keep_graph)
-                self._kept_logps = logps if keep_graph else None
+                self._accumulate(loss_grad, -(coefficient * logps).sum(), retain=False)
                 logps_list.append(logps.detach())
                 entropies_list.append(entropies.detach())
                 coefficient_list.append(coefficient)
@@ -217,19 +206,14 @@ class ParamFlowEstimator:
 
     def signed_gradient(self, batches: Sequence[Any], signed_coefficients: Sequence[torch.Tensor]):
         """b = grad of -sum_t s_t c_t log pi_t (summed over ranks): the gradient's derivative in lambda when the
-        tokens are weighted 1 + lambda s_t. One forward and backward per micro-batch (a backward only, through the
-        graph ``estimate(keep_graph=True)`` kept)."""
+        tokens are weighted 1 + lambda s_t. One forward and backward per micro-batch (keeping the estimate's graph
+        instead would keep every recomputed chunk of the LM head's logits too)."""
         total = self._zeros()
-        kept, self._kept_logps = self._kept_logps, None
         with torch.enable_grad():
             for batch, coefficient in zip(batches, signed_coefficients, strict=True):
-                logps = self.score(batch)[0] if kept is None else kept
+                logps, _ = self.score(batch)
                 self._accumulate(total, -(coefficient.to(logps.dtype) * logps).sum(), retain=False)
         return self._reduce(total)
-
-    def release(self) -> None:
-        """Free a graph ``estimate(keep_graph=True)`` kept and ``signed_gradient`` did not use."""
-        self._kept_logps = None
 
     def step_model(self, flow: ParamFlow, signed_grad) -> StepModel:
         return StepModel(

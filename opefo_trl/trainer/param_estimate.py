@@ -68,9 +68,6 @@ class ParamEstimate:
         self.log_metrics, self.main_process = log_metrics, main_process
         self._warned_imprecise = False
         self._step: tuple[torch.Tensor, StepModel] | None = None  # this rollout's signs and step model
-        # Whether the last rollout's method built the step model: the next one keeps its single micro-batch's graph
-        # for b (one forward fewer), instead of holding activations a method may not need.
-        self._uses_step_model = False
 
     @staticmethod
     def check_optimizer(optimizer: torch.optim.Optimizer, preconditioner: str) -> None:
@@ -113,7 +110,7 @@ class ParamEstimate:
         masks = [self.loss.mask(item.batch).float() for item in items]
         self._step = None
         with self._full_precision(estimator):
-            flow = estimator.estimate(items, masks, coefficients, keep_graph=self._uses_step_model)
+            flow = estimator.estimate(items, masks, coefficients)
         self.log_metrics({"entropy_flow/param_check_error": flow.check_error})
         self.log_metrics({"entropy_flow/param_lambda_error": flow.lambda_error})
         message = imprecision(flow)
@@ -131,7 +128,7 @@ class ParamEstimate:
         signed = [s * c for s, c in zip(signs.split(sizes), flow.coefficients, strict=True)]
         with self._full_precision(estimator):
             model = estimator.step_model(flow, estimator.signed_gradient(items, signed))
-        self._step, self._uses_step_model = (signs, model), True
+        self._step = (signs, model)
         change = model.change
         if self.num_processes == 1:
             return change
@@ -144,18 +141,12 @@ class ParamEstimate:
 
         return averaged
 
-    def finish(
-        self, estimator: ParamFlowEstimator, weights: torch.Tensor | None, gradient: bool
-    ) -> list[torch.Tensor] | None:
-        """The end of a rollout's estimate, once the method weighed it: frees the graph kept for b and, with
-        ``gradient``, returns the gradient of the loss TRL will apply with those weights, g = a + lambda b, when the
-        method weighted the tokens 1 + lambda * s_t with the signs s_t of the step model it built (else None).
-        On-policy, with a loss linear in the token weights, this is the gradient TRL's training pass would compute;
-        it is formed in place of a."""
-        estimator.release()
+    def finish(self, weights: torch.Tensor | None, gradient: bool) -> list[torch.Tensor] | None:
+        """The end of a rollout's estimate, once the method weighed it. With ``gradient``: the gradient of the loss TRL
+        will apply with those weights, g = a + lambda b, when the method weighted the tokens 1 + lambda * s_t with the
+        signs s_t of the step model it built (else None). On-policy, with a loss linear in the token weights, this is
+        the gradient TRL's training pass would compute; it is formed in place of a."""
         step, self._step = self._step, None
-        if step is None:
-            self._uses_step_model = False
         if step is None or not gradient:
             return None
         signs, model = step

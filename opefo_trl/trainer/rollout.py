@@ -162,7 +162,7 @@ class RolloutWeigher:
                     "importance-sampling correction, whose scoring pass TRL runs with the images and OPEFO reuses."
                 )
         context = MethodContext(self.reduce_sum)
-        flow = estimator = None
+        flow = None
         if self.param is not None:
             estimator, flow = self.param.estimate(items)
             context.step_model = partial(self.param.step_change, estimator, flow, items)
@@ -178,9 +178,7 @@ class RolloutWeigher:
             }
         )
         weights = self.method.rollout_weights(whole, context)
-        gradient = None
-        if self.param is not None and estimator is not None:
-            gradient = self.param.finish(estimator, weights, self.writes_gradient)
+        gradient = None if self.param is None else self.param.finish(weights, self.writes_gradient)
         parts = [None] * len(items) if weights is None else weights.split([len(b.logps) for b in token_batches])
         for i, (item, part) in enumerate(zip(items, parts, strict=True)):
             if part is not None:
