@@ -339,9 +339,13 @@ def _set_aside(output_dir: str) -> list[str]:
     """Move the entries the manifest lists, and the manifest, into ``SET_ASIDE_DIR``; returns their names.
 
     The manifest goes first: whatever a kill interrupts, the folder set aside holds the manifest of everything
-    that is not back in place yet, and the manifest in output_dir (if any) is the new run's.
+    that is not back in place yet, and the manifest in output_dir (if any) is the new run's. A manifest none of whose
+    entries exists any more is only removed.
     """
     entries = run_files(output_dir)
+    if not entries:
+        _remove(os.path.join(output_dir, MANIFEST_NAME))
+        return []
     aside = os.path.join(output_dir, SET_ASIDE_DIR)
     os.mkdir(aside)
     os.replace(os.path.join(output_dir, MANIFEST_NAME), os.path.join(aside, MANIFEST_NAME))
@@ -451,7 +455,7 @@ class RunFolder:
     def saved(self) -> None:
         """A checkpoint or the final model is whole: the earlier run set aside is deleted now."""
         self._refresh()
-        if self.set_aside:
+        if os.path.isdir(os.path.join(self.output_dir, SET_ASIDE_DIR)):
             _discard_set_aside(self.output_dir)
             logger.info("overwrite_output_dir: deleted the earlier run's %s.", ", ".join(self.set_aside))
             self.set_aside = []
@@ -480,7 +484,7 @@ class RunFolder:
         try:
             if not failed and os.path.isdir(self.output_dir):
                 self._refresh()  # e.g. the model card push_to_hub writes
-            if failed and self.set_aside and os.path.isdir(os.path.join(self.output_dir, SET_ASIDE_DIR)):
+            if failed and os.path.isdir(os.path.join(self.output_dir, SET_ASIDE_DIR)):
                 restored = _restore(self.output_dir)
                 logger.warning(
                     "The run failed before it saved a checkpoint: the earlier run's %s are back in %s.",
@@ -489,7 +493,11 @@ class RunFolder:
                 )
                 self.set_aside = []
             shutil.rmtree(os.path.join(self.output_dir, FINAL_MODEL_STAGING), ignore_errors=True)
-            if os.path.isdir(self.output_dir) and not run_files(self.output_dir):
+            try:
+                nothing_written = os.path.isdir(self.output_dir) and not run_files(self.output_dir)
+            except RunFolderError:  # a damaged manifest, reported by whoever opened the folder
+                nothing_written = False
+            if nothing_written:
                 _remove(os.path.join(self.output_dir, MANIFEST_NAME))
         finally:
             self.lock.release()

@@ -483,3 +483,14 @@ def test_a_full_disk_that_torch_reports_as_its_own_error_is_named(tmp_path, monk
         "[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 0). The unfinished checkpoint was removed."
     )
     assert os.listdir(tmp_path) == []
+
+
+def test_overwriting_a_run_whose_files_are_all_gone_sets_nothing_aside(tmp_path, snapshot):
+    folder = tmp_path / "run"
+    record_in_manifest(str(folder), ["checkpoint-1", "metrics.jsonl"])  # a run killed before it wrote anything
+    run = RunFolder(str(folder), overwrite=True, declared=["metrics.jsonl"]).open()
+    assert run.set_aside == [] and not (folder / SET_ASIDE_DIR).exists()
+    (folder / "metrics.jsonl").write_text('{"step": 1}\n')
+    run.close(failed=False)
+    before = snapshot(folder)
+    assert recover_interrupted_run(str(folder)) == [] and snapshot(folder) == before  # the next run deletes nothing

@@ -319,6 +319,7 @@ def validate_output_dir(script_args, training_args, model_name_or_path: str | No
         RunFolderBusy,
         RunLock,
         busy_message,
+        check_checkpoint,
         foreign_entries,
         interrupted_run,
         lock_holder,
@@ -394,9 +395,7 @@ def validate_output_dir(script_args, training_args, model_name_or_path: str | No
         if resumes_here:
             for path in metrics_files(output_dir):
                 read_metrics_lines(path)  # a cut-off last line is dropped when training starts; a corrupt one is not
-    if resume is not None and training_args.resume_from_checkpoint is not True:
-        from opefo_trl.runs import check_checkpoint
-
+    if resume is not None and training_args.resume_from_checkpoint is not True:  # `true`: checked when chosen
         check_checkpoint(resume, method=training_args.method)
 
 
@@ -476,15 +475,20 @@ def prepare_inputs(script_args, training_args, model_args) -> tuple:
     return train_dataset, resolve_reward_funcs(script_args.reward_funcs)
 
 
-def _metrics_names(script_args) -> list[str]:
-    """The metrics files this run writes into output_dir (named in its manifest before they exist)."""
+def _declared_names(script_args, training_args) -> list[str]:
+    """What this run writes into output_dir besides its checkpoints and final model, named in its manifest before
+    it exists: the metrics files, and TensorBoard's default `runs/` folder."""
     from opefo_trl.runs import METRICS_FILE, METRICS_FILE_PER_RANK
 
-    if script_args.metrics_jsonl == "off":
-        return []
+    names = []
     if script_args.metrics_jsonl == "main_process":
-        return [METRICS_FILE]
-    return [METRICS_FILE_PER_RANK.format(rank=rank) for rank in range(int(os.environ.get("WORLD_SIZE", "1")))]
+        names.append(METRICS_FILE)
+    elif script_args.metrics_jsonl == "every_process":
+        names += [METRICS_FILE_PER_RANK.format(rank=r) for r in range(int(os.environ.get("WORLD_SIZE", "1")))]
+    report_to = training_args.report_to or []
+    if ("tensorboard" in report_to or "all" in report_to) and not os.environ.get("TENSORBOARD_LOGGING_DIR"):
+        names.append("runs")
+    return names
 
 
 def train(script_args, training_args, model_args, train_dataset=None, reward_funcs=None):
@@ -502,7 +506,9 @@ def train(script_args, training_args, model_args, train_dataset=None, reward_fun
     run = None
     if _writes_output_dir(training_args):
         run = RunFolder(
-            training_args.output_dir, overwrite=script_args.overwrite_output_dir, declared=_metrics_names(script_args)
+            training_args.output_dir,
+            overwrite=script_args.overwrite_output_dir,
+            declared=_declared_names(script_args, training_args),
         )
         model = model_args.model_name_or_path
         try:
