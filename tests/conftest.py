@@ -106,13 +106,14 @@ def snapshot():
     return _snapshot
 
 
-def _write_checkpoint(folder, step: int, method: str = "opefo"):
+def _write_checkpoint(folder, step: int, method: str = "opefo", complete: bool = True):
     """``folder/checkpoint-<step>`` with the kinds of files Trainer writes there (safetensors weights, torch.save
-    archives, JSON states, OPEFO's method state), small and whole; returns its path."""
+    archives, JSON states, OPEFO's method state), small and whole, and its completion marker (``complete``), named in
+    the manifest of ``folder`` as a run of opefo-train does; returns its path."""
     import torch
     from safetensors.torch import save_file
 
-    from opefo_trl.runs import METHOD_STATE_NAME
+    from opefo_trl.runs import METHOD_STATE_NAME, mark_checkpoint_complete, record_in_manifest
 
     path = folder / f"checkpoint-{step}"
     path.mkdir(parents=True)
@@ -122,12 +123,16 @@ def _write_checkpoint(folder, step: int, method: str = "opefo"):
     (path / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": []}))
     (path / METHOD_STATE_NAME).write_text(json.dumps({"method": method, "state": {}}))
     (path / "tokenizer.json").write_text("{}")
+    if complete:
+        mark_checkpoint_complete(str(path))
+    record_in_manifest(str(folder), [path.name])
     return path
 
 
 @pytest.fixture(scope="session")
 def write_checkpoint():
-    """``write_checkpoint(folder, step, method="opefo") -> path``: a small whole checkpoint (see _write_checkpoint)."""
+    """``write_checkpoint(folder, step, method="opefo", complete=True) -> path``: a small checkpoint of a run of ours
+    (see _write_checkpoint)."""
     return _write_checkpoint
 
 

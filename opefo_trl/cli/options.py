@@ -6,9 +6,10 @@ snake_case; ``--config recipe.yaml`` sets them from a YAML mapping, the command 
 
 - ``--config=PATH`` works like ``--config PATH``, and a missing recipe file is named before anything is parsed;
 - abbreviations are refused (argparse would read ``--num_generation`` as ``--num_generations``);
-- an unknown recipe key or command-line flag, which TRL refuses with a bare list, is reported with the closest
-  option names, before any dataclass is built (so before, e.g., transformers' "Your setup doesn't support bf16/gpu"
-  for a GPU recipe parsed on a CPU machine);
+- an unknown recipe key or command-line flag is reported with the closest option names, and a value that no flag
+  takes (``--learning_rate 1e-5 z``) as such, before TRL parses anything or any dataclass is built (so TRL never
+  raises its own unknown-argument errors, and these come before, e.g., transformers' "Your setup doesn't support
+  bf16/gpu" for a GPU recipe parsed on a CPU machine);
 - a recipe value of the wrong type (``max_steps: 2.5``, ``num_generations: [2]``), which argparse does not convert
   and the dataclasses do not check, is reported with its key and a corrected example (:func:`check_recipe_values`);
 - values given without a flag can belong to one list option (``positional``: ``opefo-plot RUN... --output x.png``).
@@ -30,12 +31,10 @@ Example:
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import difflib
 import enum
 import os
-import re
 import sys
 import types
 import typing
@@ -44,14 +43,6 @@ from collections.abc import Iterable, Sequence
 CONFIG_FLAG = "--config"
 INPUT_ERRORS = (ValueError, FileNotFoundError, ImportError)
 """What bad input raises (options, files, columns, missing extras): reported by :func:`report_error`, no traceback."""
-
-# What TrlParser.parse_args_and_config(fail_with_unknown_args=True) raises (trl/scripts/utils.py, TRL 1.16): recipe
-# keys no dataclass has, as ["--key", "value", ...], and command-line strings argparse did not consume (raised by
-# transformers' HfArgumentParser.parse_args_into_dataclasses).
-_UNKNOWN_RECIPE_KEYS = re.compile(r"^Unknown arguments from config file: (\[.*\])\. Please remove them", re.DOTALL)
-_UNUSED_COMMAND_LINE = re.compile(
-    r"^Some specified arguments are not used by the HfArgumentParser: (\[.*\])$", re.DOTALL
-)
 
 
 def build_parser(
@@ -117,36 +108,6 @@ def _did_you_mean(names: Sequence[str], known: Sequence[str]) -> str:
         hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
         described.append(f"{name!r}{hint}")
     return "; ".join(described)
-
-
-def unknown_options_error(err: ValueError, known: Sequence[str], *, prog: str, recipe: str | None) -> ValueError | None:
-    """TRL's unknown-option ``ValueError`` rewritten with did-you-mean hints; None for any other error.
-
-    Example:
-        >>> trl_error = ValueError("Unknown arguments from config file: ['--num_generation', '4']. Please remove "
-        ...                        "them, add them to the dataclass, or set `fail_with_unknown_args=False`.")
-        >>> error = unknown_options_error(trl_error, ["num_generations"], prog="opefo-train", recipe="r.yaml")
-        >>> print(error)  # doctest: +NORMALIZE_WHITESPACE
-        Unknown key(s) in recipe 'r.yaml': 'num_generation' (did you mean 'num_generations'?).
-        `opefo-train --help` lists every option; remove or fix it.
-    """
-    message = str(err)
-    recipe_match, command_line_match = _UNKNOWN_RECIPE_KEYS.match(message), _UNUSED_COMMAND_LINE.match(message)
-    if recipe_match:
-        strings = ast.literal_eval(recipe_match.group(1))
-        names, where, kind = [key[2:] for key in strings[0::2]], f"in recipe {recipe!r}", "key(s)"
-    elif command_line_match:
-        strings = ast.literal_eval(command_line_match.group(1))
-        names = [s.split("=", 1)[0].lstrip("-") for s in strings if s.startswith("--")]
-        if not names:
-            return ValueError(
-                f"Unexpected value(s) on the command line: {strings}. Options take the form `--name value`; a list "
-                "option takes its values after one flag (`--name a b`)."
-            )
-        where, kind = "on the command line", "option(s)"
-    else:
-        return None
-    return _unknown_names_error(names, known, kind=kind, where=where, prog=prog)
 
 
 def _unknown_names_error(names: Sequence[str], known: Sequence[str], *, kind: str, where: str, prog: str) -> ValueError:
@@ -269,10 +230,14 @@ def check_recipe_values(parser, recipe_values: dict, recipe: str | None) -> None
         raise ValueError(f"Recipe {recipe!r}: " + "; ".join(problems) + ".")
 
 
-def _positional_values_as_option(parser, argv: list[str], name: str) -> list[str]:
-    """``argv`` with the values that follow no flag moved behind ``--name`` (a list option). A flag keeps its own
-    values: a list option every value up to the next flag, an optional value (a boolean's true / false) when it
-    converts, any other option one."""
+def _split_values(parser, argv: Sequence[str], positional: bool = False) -> tuple[list[str], list[str]]:
+    """``argv`` as argparse reads it: ``(flags with the values each takes, the values no flag takes)``.
+
+    A flag keeps its own values: a list option every value up to the next flag, an optional value (a boolean's
+    true / false) the next value (with ``positional``, only one that converts: the others are positional values),
+    any other option the value after it. A negative number is a value, as argparse reads it when no option looks
+    like one; ``-x``, which no option is spelt as, is a value no flag takes.
+    """
 
     def converts(action, value: str) -> bool:
         try:
@@ -281,37 +246,58 @@ def _positional_values_as_option(parser, argv: list[str], name: str) -> list[str
             return False
         return True
 
+    def is_flag(arg: str) -> bool:
+        return arg.startswith("-") and arg != "-" and not parser._negative_number_matcher.match(arg)
+
     flags = parser._option_string_actions
     kept: list[str] = []
-    positional: list[str] = []
+    stray: list[str] = []
     i = 0
     while i < len(argv):
         arg, i = argv[i], i + 1
-        if not arg.startswith("-") or arg == "-":
-            positional.append(arg)
+        action = flags.get(arg)  # None for `--flag=value` (its value is in it) and for unknown flags
+        if not is_flag(arg) or (action is None and not arg.startswith("--")):
+            stray.append(arg)
             continue
         kept.append(arg)
-        action = flags.get(arg)  # None for `--flag=value` (its value is in it) and for unknown flags
         if action is None:
             continue
         if action.nargs in ("+", "*"):
-            while i < len(argv) and not argv[i].startswith("-"):
+            while i < len(argv) and not is_flag(argv[i]):
                 kept.append(argv[i])
                 i += 1
         elif action.nargs == "?":
-            if i < len(argv) and not argv[i].startswith("-") and converts(action, argv[i]):
+            if i < len(argv) and not is_flag(argv[i]) and (not positional or converts(action, argv[i])):
                 kept.append(argv[i])
                 i += 1
         elif action.nargs is None or isinstance(action.nargs, int):
             count = 1 if action.nargs is None else action.nargs
-            kept += argv[i : i + count]
-            i += count
+            while count and i < len(argv) and not is_flag(argv[i]):  # argparse reports a missing value itself
+                kept.append(argv[i])
+                i, count = i + 1, count - 1
+    return kept, stray
+
+
+def _positional_values_as_option(parser, argv: list[str], name: str) -> list[str]:
+    """``argv`` with the values that follow no flag (:func:`_split_values`) moved behind ``--name`` (a list
+    option)."""
+    kept, positional = _split_values(parser, argv, positional=True)
     if not positional:
         return kept
-    option = flags[f"--{name}"]
+    _refuse_stray_values([a for a in positional if a.startswith("-") and a != "-"])
+    option = parser._option_string_actions[f"--{name}"]
     if any(arg.split("=", 1)[0] in option.option_strings for arg in kept):
         raise ValueError(f"{name} given both as arguments ({' '.join(positional)}) and with --{name}; give them once.")
     return [f"--{name}", *positional, *kept]
+
+
+def _refuse_stray_values(stray: Sequence[str]) -> None:
+    """Values that no flag takes (:func:`_split_values`), refused before TRL parses the command line."""
+    if stray:
+        raise ValueError(
+            f"Unexpected value(s) on the command line: {stray}. Options take the form `--name value`; a list "
+            "option takes its values after one flag (`--name a b`)."
+        )
 
 
 def parse_options(parser, argv: Sequence[str] | None = None, *, positional: str | None = None) -> tuple:
@@ -320,8 +306,8 @@ def parse_options(parser, argv: Sequence[str] | None = None, *, positional: str 
     ``positional`` names a list option that also takes the values given without a flag (``opefo-plot``'s runs).
 
     Raises:
-        ValueError: an unknown or misspelt recipe key or flag (with the closest option names), a recipe that is not
-            a YAML mapping, or a value a dataclass refuses.
+        ValueError: an unknown or misspelt recipe key or flag (with the closest option names), a value no flag takes,
+            a recipe that is not a YAML mapping, or a value a dataclass refuses.
         FileNotFoundError: the recipe file does not exist.
     """
     import yaml
@@ -339,16 +325,12 @@ def parse_options(parser, argv: Sequence[str] | None = None, *, positional: str 
             recipe_values = None  # TRL refuses a recipe that is not a mapping
         command_line = [arg for i, arg in enumerate(argv) if CONFIG_FLAG not in (arg, argv[i - 1] if i else None)]
         _refuse_unknown_names(parser, command_line, recipe_values, recipe)
+        _refuse_stray_values(_split_values(parser, command_line)[1])
         if recipe_values:
             check_recipe_values(parser, recipe_values, recipe)
         parsed = parser.parse_args_and_config(argv, fail_with_unknown_args=True)
     except yaml.YAMLError as err:
         raise ValueError(f"Recipe file {recipe!r} is not valid YAML: {err}") from err
-    except ValueError as err:
-        rewritten = unknown_options_error(err, option_names(parser), prog=parser.prog, recipe=recipe)
-        if rewritten is not None:
-            raise rewritten from None
-        raise
     return tuple(parsed[: len(parser.dataclass_types)])  # drop the namespace holding the help-only `config`
 
 

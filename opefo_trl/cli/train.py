@@ -11,10 +11,16 @@ are the fields of three dataclasses, all listed by `--help`:
 Parsing is shared with `opefo-eval` (`opefo_trl.cli.options`): a misspelt or unknown key, in the recipe or on the
 command line, is an error that names it and the closest options. Everything that can be checked without the model's
 weights is checked before they are loaded: the options (types of recipe values included), the model path, the data
-files and columns, the reward functions, the output_dir (an earlier run in it is refused unless resumed or
-`--overwrite_output_dir true`), every file of the checkpoint to resume from, and that every prompt plus
-`max_completion_length` fits the model's context. Such errors, and a reward function that fails at its first call,
-are printed as `opefo-train: error: ...` with exit status 2.
+files and columns, the reward functions, the output_dir (see below), every file of the checkpoint to resume from,
+and that every prompt plus `max_completion_length` fits the model's context. Such errors, a reward function that
+fails at its first call, and a checkpoint that cannot be written (a full disk) are printed as
+`opefo-train: error: ...` with exit status 2.
+
+The output_dir is the run's own (`opefo_trl.runs`): one run at a time holds it (a second is refused at once, naming
+the first's pid and host); the run records every top-level entry it writes in `opefo_run_manifest.json`, and
+refuses a folder holding files no run of ours wrote (the model's own folder among them). An earlier run in it is
+refused unless resumed or `--overwrite_output_dir true`, which sets the earlier run's entries aside and deletes them
+only once the new run has saved its first checkpoint or final model (they are moved back if it fails before).
 
 Examples:
     opefo-train --config recipes/qwen2.5-math-7b/opefo.yaml
@@ -35,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from opefo_trl.cli.options import INPUT_ERRORS, build_parser, parse_options, report_error
+from opefo_trl.runs import CheckpointSaveError, RunFolderError
 from opefo_trl.trainer.checks import RewardFunctionError
 
 logger = logging.getLogger("opefo_trl.cli.train")  # not __name__: "__main__" under `python -m`
@@ -130,9 +137,10 @@ class TrainScriptArguments:
     overwrite_output_dir: bool = field(
         default=False,
         metadata={
-            "help": "Start afresh in an output_dir that holds an earlier run: delete its checkpoint-<step> folders, "
-            "metrics*.jsonl, trainer_state.json and saved weights (nothing else) once the model has loaded. Without "
-            "it, such an output_dir is refused unless resume_from_checkpoint resumes a checkpoint in it."
+            "help": "Start afresh in an output_dir that holds an earlier run of opefo-train: the files its manifest "
+            "lists (nothing else) are set aside, deleted once the new run has saved its first checkpoint or final "
+            "model, and moved back if it fails before that. Without it, such an output_dir is refused unless "
+            "resume_from_checkpoint resumes a checkpoint in it."
         },
     )
     metrics_jsonl: Literal["main_process", "every_process", "off"] = field(
@@ -269,7 +277,7 @@ def validate_args(script_args, training_args, model_args) -> None:
             f"reward_weights has {len(training_args.reward_weights)} entries but reward_funcs has "
             f"{len(script_args.reward_funcs)} ({script_args.reward_funcs}); give one weight per reward function."
         )
-    validate_output_dir(script_args, training_args)
+    validate_output_dir(script_args, training_args, model_args.model_name_or_path)
     if model_args.use_peft:
         try:
             import peft  # noqa: F401
@@ -281,44 +289,113 @@ def _inside(path: str, folder: str) -> bool:
     return os.path.realpath(os.path.dirname(os.path.normpath(path))) == os.path.realpath(folder)
 
 
-def validate_output_dir(script_args, training_args) -> None:
-    """Refuse to mix two runs in one output_dir, and a checkpoint to resume from that could not be loaded.
+def _within(path: str, folder: str) -> bool:
+    path, folder = os.path.realpath(os.path.expanduser(path)), os.path.realpath(folder)
+    return path == folder or path.startswith(folder + os.sep)
 
-    An output_dir holding an earlier run's files (`opefo_trl.runs.run_files`) is accepted only to resume a checkpoint
-    in it, or with `overwrite_output_dir` (which deletes them in :func:`train`, once the model has loaded).
+
+def _writes_output_dir(training_args) -> bool:
+    """Whether this process writes the run folder (Trainer's `should_save`), read from the launcher's environment:
+    the distributed state does not exist yet."""
+    return os.environ.get("LOCAL_RANK" if training_args.save_on_each_node else "RANK", "0") == "0"
+
+
+def _shown(names: Sequence[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def validate_output_dir(script_args, training_args, model_name_or_path: str | None = None, *, locked=False) -> None:
+    """Refuse an output_dir this run cannot own, and a checkpoint to resume from that could not be loaded.
+
+    Refused: a folder another run holds (its lock), the model's own folder, a folder holding files no run of ours
+    wrote (`opefo_trl.runs.foreign_entries`), an earlier run (`opefo_trl.runs.run_files`) unless this run resumes a
+    checkpoint in it or `overwrite_output_dir` (carried out by `RunFolder`), an overwrite that would delete the model
+    or checkpoint this run starts from, and a metrics file the resumed run would append to whose lines before the
+    last are not whole. What a killed run left half done (an overwrite, the final model's move) is finished or undone
+    first, holding the lock. On the processes that do not write the folder, only the checkpoint is checked.
+    ``locked``: the caller holds the folder's lock (:func:`train`, checking again).
     """
-    from opefo_trl.runs import check_checkpoint, checkpoints, run_files
+    from opefo_trl.runs import (
+        RunFolderBusy,
+        RunLock,
+        busy_message,
+        check_checkpoint,
+        foreign_entries,
+        interrupted_run,
+        lock_holder,
+        metrics_files,
+        read_metrics_lines,
+        recover_interrupted_run,
+        resume_checkpoint,
+        run_files,
+    )
 
     output_dir, resume = training_args.output_dir, training_args.resume_from_checkpoint
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ValueError(f"output_dir {output_dir!r} is a file; give a directory (it is created if missing).")
-    if resume is True:
-        found = checkpoints(output_dir)
-        if not found:
+    writer = _writes_output_dir(training_args)
+    if writer and not locked and os.path.isdir(output_dir):
+        holder = lock_holder(output_dir)
+        if holder is not None:
+            raise RunFolderBusy(busy_message(output_dir, holder))
+        if interrupted_run(output_dir):
+            with RunLock(output_dir):
+                restored = recover_interrupted_run(output_dir)
+            if restored:
+                logger.warning(
+                    "A run into %s that overwrote it was stopped before it saved anything: the earlier run's %s are "
+                    "back in place.",
+                    output_dir,
+                    ", ".join(restored),
+                )
+    if model_name_or_path and os.path.isdir(os.path.expanduser(model_name_or_path)):
+        if os.path.realpath(os.path.expanduser(model_name_or_path)) == os.path.realpath(output_dir):
             raise ValueError(
-                f"resume_from_checkpoint=true but output_dir {output_dir!r} has no checkpoint-<step> folder. Give the "
-                "checkpoint's path, or drop resume_from_checkpoint to start afresh."
+                f"output_dir {output_dir!r} is the folder of the model this run starts from (model_name_or_path): "
+                "its checkpoints and final model would be written over the model's own files. Give another "
+                "--output_dir."
             )
-        resume = found[-1][1]
-    elif resume is not None and not os.path.isdir(resume):
+    if resume is not None and resume is not True and not os.path.isdir(resume):
         raise FileNotFoundError(
             f"resume_from_checkpoint {resume!r} is not a directory. Give a checkpoint-<step> folder, or `true` for "
             f"the last checkpoint in output_dir ({output_dir!r})."
         )
+    if resume is True:  # the last whole checkpoint (the trainer says which incomplete ones it skips)
+        resume = resume_checkpoint(True, output_dir, training_args.method, warn=False)
     resumes_here = resume is not None and _inside(resume, output_dir)
     if script_args.overwrite_output_dir and resumes_here:
         raise ValueError(
             f"overwrite_output_dir would delete the checkpoint {resume} this run resumes from; drop one of the two."
         )
-    earlier = run_files(output_dir)
-    if earlier and not resumes_here and not script_args.overwrite_output_dir:
-        shown = ", ".join(earlier[:5]) + (f" and {len(earlier) - 5} more" if len(earlier) > 5 else "")
-        raise ValueError(
-            f"output_dir {output_dir!r} holds an earlier run ({shown}); training into it would mix the two runs. "
-            "Resume it with --resume_from_checkpoint true, start afresh in it with --overwrite_output_dir true "
-            "(deletes those files first), or give another --output_dir."
-        )
-    if resume is not None:
+    if writer:
+        foreign = foreign_entries(output_dir)
+        if foreign:
+            raise ValueError(
+                f"output_dir {output_dir!r} holds files that no run of opefo-train wrote (its opefo_run_manifest.json "
+                f"does not list them): {_shown(foreign)}. opefo-train writes over and deletes only what its own runs "
+                "wrote: move them out of the folder, or give another --output_dir."
+            )
+        earlier = run_files(output_dir)
+        if earlier and not resumes_here and not script_args.overwrite_output_dir:
+            raise ValueError(
+                f"output_dir {output_dir!r} holds an earlier run ({_shown(earlier)}); training into it would mix the "
+                "two runs. Resume it with --resume_from_checkpoint true, start afresh in it with "
+                "--overwrite_output_dir true (deletes those files once the new run has saved its first checkpoint), "
+                "or give another --output_dir."
+            )
+        starts_from = [p for p in (model_name_or_path, resume) if p and os.path.isdir(os.path.expanduser(p))]
+        if script_args.overwrite_output_dir:
+            for name in earlier:
+                for path in starts_from:
+                    if _within(path, os.path.join(output_dir, name)):
+                        raise ValueError(
+                            f"overwrite_output_dir would delete {os.path.join(output_dir, name)}, which holds {path}, "
+                            "the model this run starts from; copy it elsewhere first, or give another --output_dir."
+                        )
+        if resumes_here:
+            for path in metrics_files(output_dir):
+                read_metrics_lines(path)  # a cut-off last line is dropped when training starts; a corrupt one is not
+    if resume is not None and training_args.resume_from_checkpoint is not True:  # `true`: checked when chosen
         check_checkpoint(resume, method=training_args.method)
 
 
@@ -398,20 +475,74 @@ def prepare_inputs(script_args, training_args, model_args) -> tuple:
     return train_dataset, resolve_reward_funcs(script_args.reward_funcs)
 
 
+def _declared_names(script_args, training_args) -> list[str]:
+    """What this run writes into output_dir besides its checkpoints and final model, named in its manifest before
+    it exists: the metrics files, and TensorBoard's default `runs/` folder."""
+    from opefo_trl.runs import METRICS_FILE, METRICS_FILE_PER_RANK
+
+    names = []
+    if script_args.metrics_jsonl == "main_process":
+        names.append(METRICS_FILE)
+    elif script_args.metrics_jsonl == "every_process":
+        names += [METRICS_FILE_PER_RANK.format(rank=r) for r in range(int(os.environ.get("WORLD_SIZE", "1")))]
+    report_to = training_args.report_to or []
+    if ("tensorboard" in report_to or "all" in report_to) and not os.environ.get("TENSORBOARD_LOGGING_DIR"):
+        names.append("runs")
+    return names
+
+
 def train(script_args, training_args, model_args, train_dataset=None, reward_funcs=None):
     """Build the data, rewards and `OPEFOTrainer` from parsed options, train (resuming if asked), save; return it.
 
-    ``train_dataset`` and ``reward_funcs`` are what :func:`prepare_inputs` returns; they are built here if not given.
+    The process that writes output_dir holds it for the whole run (`opefo_trl.runs.RunFolder`: the lock, the
+    manifest, the overwrite), and checks it again once it holds the lock. ``train_dataset`` and ``reward_funcs`` are
+    what :func:`prepare_inputs` returns; they are built here if not given.
     """
+    from opefo_trl.cli.options import INPUT_ERRORS
+    from opefo_trl.runs import RunFolder
+
+    if train_dataset is None or reward_funcs is None:
+        train_dataset, reward_funcs = prepare_inputs(script_args, training_args, model_args)
+    run = None
+    if _writes_output_dir(training_args):
+        run = RunFolder(
+            training_args.output_dir,
+            overwrite=script_args.overwrite_output_dir,
+            declared=_declared_names(script_args, training_args),
+        )
+        model = model_args.model_name_or_path
+        try:
+            run.open(lambda: validate_output_dir(script_args, training_args, model, locked=True))
+        except RunFolderError:
+            raise
+        except INPUT_ERRORS as err:  # the folder changed since it was checked
+            raise RunFolderError(str(err)) from err
+        if run.set_aside:
+            logger.info(
+                "overwrite_output_dir: the earlier run's %s are set aside in %s until this run saves its first "
+                "checkpoint or its final model (moved back if it fails before).",
+                ", ".join(run.set_aside),
+                os.path.join(training_args.output_dir, ".opefo_overwritten"),
+            )
+    try:
+        trainer = _train(script_args, training_args, model_args, train_dataset, reward_funcs, run)
+    except BaseException:
+        if run is not None:
+            run.close(failed=True)
+        raise
+    if run is not None:
+        run.close(failed=False)
+    return trainer
+
+
+def _train(script_args, training_args, model_args, train_dataset, reward_funcs, run):
     import transformers
     from packaging.version import Version
     from trl import get_peft_config, get_quantization_config
 
+    from opefo_trl.runs import FINAL_MODEL_STAGING, reported_write_errors
     from opefo_trl.trainer import OPEFOTrainer
-    from opefo_trl.trainer.callbacks import MetricsJsonlCallback
-
-    if train_dataset is None or reward_funcs is None:
-        train_dataset, reward_funcs = prepare_inputs(script_args, training_args, model_args)
+    from opefo_trl.trainer.callbacks import MetricsJsonlCallback, RunFolderCallback
 
     model_init_kwargs = dict(
         revision=model_args.model_revision,
@@ -421,27 +552,27 @@ def train(script_args, training_args, model_args, train_dataset=None, reward_fun
     )
     model_init_kwargs.update(training_args.model_init_kwargs or {})
     training_args.model_init_kwargs = model_init_kwargs
-    metrics_file = script_args.metrics_jsonl != "off"
-    callbacks = [MetricsJsonlCallback(training_args.output_dir, script_args.metrics_jsonl)] if metrics_file else None
+    callbacks = [] if run is None else [RunFolderCallback(run)]
+    if script_args.metrics_jsonl != "off":
+        callbacks.append(MetricsJsonlCallback(training_args.output_dir, script_args.metrics_jsonl))
 
     trainer = OPEFOTrainer(
         model=model_args.model_name_or_path,
         reward_funcs=reward_funcs,
         args=training_args,
         train_dataset=train_dataset,
-        callbacks=callbacks,
+        callbacks=callbacks or None,
         quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
     )
-    if script_args.overwrite_output_dir and trainer.accelerator.is_main_process:
-        from opefo_trl.runs import remove_run_files
-
-        removed = remove_run_files(training_args.output_dir)
-        if removed:
-            logger.info("overwrite_output_dir: removed the earlier run's %s.", ", ".join(removed))
-    trainer.accelerator.wait_for_everyone()
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.save_model(training_args.output_dir)
+    # Saved aside, then moved into output_dir file by file, each named in the manifest first.
+    staging = os.path.join(training_args.output_dir, FINAL_MODEL_STAGING)
+    with reported_write_errors(staging, "final model", writer=run is not None):
+        trainer.save_model(staging)
+    trainer.accelerator.wait_for_everyone()
+    if run is not None:
+        run.publish_final_model(staging)
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
@@ -480,7 +611,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Bad input (an option, recipe, data file or column, reward function, output_dir or checkpoint), found before the
     model weights load, is printed as `opefo-train: error: ...` with exit status 2, as opefo-eval reports it; so is a
-    reward function that raises or returns non-numbers, found at its first call.
+    reward function that raises or returns non-numbers (found at its first call), an output_dir another run took
+    meanwhile, and a checkpoint or final model that cannot be written (a full disk).
     """
     _show_package_logs()
     try:
@@ -490,7 +622,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return report_error(PROG, err)
     try:
         train(script_args, training_args, model_args, train_dataset, reward_funcs)
-    except RewardFunctionError as err:  # found at the first reward computation: no traceback, as for bad input
+    except (RewardFunctionError, RunFolderError, CheckpointSaveError) as err:  # no traceback, as for bad input
         return report_error(PROG, err)
     return 0
 

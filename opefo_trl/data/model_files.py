@@ -2,10 +2,11 @@
 
 Shared by ``opefo-train``, ``opefo-eval`` and the demo:
 
-- Model paths: :func:`check_model_name_or_path` refuses a model that is neither a local model directory nor a valid
-  hub id.
-- Weight files: :func:`weight_fingerprints` identifies the weights in a directory by content (``opefo-eval``
-  refuses samples drawn from other weights).
+- Model paths: :func:`check_model_name_or_path` refuses a model that is neither a local model directory (with its
+  weights) nor a valid hub id.
+- Model files: :func:`weight_fingerprints` identifies the weights in a directory by content, and
+  :func:`model_file_fingerprints` the files that decide how prompts are rendered and completions generated (the
+  tokenizer, chat template, config and generation config); ``opefo-eval`` refuses samples drawn with other ones.
 - Context length: :func:`model_context_length`, the number of tokens prompt + completion must fit (the model
   config's ``max_position_embeddings``, capped by vLLM's ``max_model_len`` when vLLM generates).
 
@@ -48,6 +49,7 @@ def check_model_name_or_path(name: str) -> None:
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise FileNotFoundError(f"Model directory {name!r} has no config.json; give a saved model's directory.")
+        check_has_weights(path)
         return
     if os.path.exists(path):
         raise ValueError(f"Model path {name!r} is a file; give the model's directory.")
@@ -66,6 +68,50 @@ def check_model_name_or_path(name: str) -> None:
 
 _WEIGHT_FILE_RE = re.compile(r"(\.safetensors|^(pytorch_model|adapter_model)(-\d+-of-\d+)?\.bin)$")
 _BLOCK = 4096
+#: Besides the weights, what decides what a model generates from a prompt: how the prompt is rendered (the chat
+#: template) and tokenised, how completions are decoded and when they stop (the config, the generation config).
+MODEL_TEXT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "adapter_config.json",
+)
+#: Folder of the named chat templates a tokenizer may carry besides its default one.
+CHAT_TEMPLATES_DIR = "additional_chat_templates"
+
+
+def has_weight_files(directory: str | os.PathLike) -> bool:
+    """Whether a model or adapter directory holds weight files (safetensors, ``*.bin`` or their shard index)."""
+    return any(
+        _WEIGHT_FILE_RE.search(name) or name.endswith((".safetensors.index.json", ".bin.index.json"))
+        for name in os.listdir(directory)
+    )
+
+
+def check_has_weights(directory: str | os.PathLike) -> None:
+    """Refuse a model or adapter directory without weights, which loading would report with a traceback.
+
+    >>> import tempfile
+    >>> check_has_weights(tempfile.mkdtemp())  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    FileNotFoundError: ... holds no weights (no *.safetensors, pytorch_model*.bin or shard index): ...
+    """
+    if not has_weight_files(directory):
+        raise FileNotFoundError(
+            f"{os.fspath(directory)} holds no weights (no *.safetensors, pytorch_model*.bin or shard index): it is "
+            "not a whole saved model. Give a folder with its weights, e.g. a run's output_dir once training has "
+            "finished, or one of its checkpoint-<step> folders."
+        )
 
 
 def _safetensors_digest(f, digest) -> None:
@@ -117,6 +163,26 @@ def weight_fingerprints(directory: str | os.PathLike) -> dict[str, str]:
         for name in sorted(os.listdir(directory))
         if _WEIGHT_FILE_RE.search(name) and os.path.isfile(os.path.join(directory, name))
     }
+
+
+def model_file_fingerprints(directory: str | os.PathLike) -> dict[str, str]:
+    """``{file name: sha256 prefix}`` of the :data:`MODEL_TEXT_FILES` of a model or adapter directory (and its
+    ``additional_chat_templates/``): small files, hashed whole.
+
+    >>> model_file_fingerprints("/no/such/model")
+    {}
+    """
+    if not os.path.isdir(directory):
+        return {}
+    names = [name for name in MODEL_TEXT_FILES if os.path.isfile(os.path.join(directory, name))]
+    templates = os.path.join(directory, CHAT_TEMPLATES_DIR)
+    if os.path.isdir(templates):
+        names += sorted(f"{CHAT_TEMPLATES_DIR}/{name}" for name in os.listdir(templates))
+    prints = {}
+    for name in names:
+        with open(os.path.join(directory, name), "rb") as f:
+            prints[name] = hashlib.sha256(f.read()).hexdigest()[:32]
+    return prints
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -56,18 +56,30 @@ def settings_flags(settings: DemoSettings) -> list[str]:
     return flags
 
 
-def run_demo(output_dir: str, settings: DemoSettings, log=print) -> dict[str, str]:
-    """Run the whole demo; return the paths of the figure, the markdown summary and the json summary.
+def check_demo(output_dir: str, settings: DemoSettings) -> None:
+    """Refuse settings the demo cannot run, before any work: the settings' own checks, and those the trainer makes of
+    every run's ``OPEFOConfig`` (`opefo_trl.trainer.checks.check_training_values`)."""
+    from opefo_trl.trainer.checks import check_training_values
 
-    Settings and every run's ``OPEFOConfig`` are checked before the first warm start. Each setting of
-    ``settings.numerics`` runs in this process (torch's thread count set for it, restored afterwards) or, when it
-    needs environment variables this process was not started with, in a process of its own.
-    """
     settings.validate()
     assert settings.seeds is not None  # DemoSettings.__post_init__ fills the settings left at None
     methods = demo_methods(settings.entropy_coef)
     for name in settings.methods:
-        build_config(methods[name], settings.seeds[0], os.path.join(output_dir, "runs", "_check"), settings)
+        check_training_values(
+            build_config(methods[name], settings.seeds[0], os.path.join(output_dir, "runs", "_check"), settings)
+        )
+
+
+def run_demo(output_dir: str, settings: DemoSettings, log=print) -> dict[str, str]:
+    """Run the whole demo; return the paths of the figure, the markdown summary and the json summary.
+
+    Settings and every run's ``OPEFOConfig`` are checked before the first warm start (:func:`check_demo`). Each
+    setting of ``settings.numerics`` runs in this process (torch's thread count set for it, restored afterwards) or,
+    when it needs environment variables this process was not started with, in a process of its own.
+    """
+    check_demo(output_dir, settings)
+    assert settings.seeds is not None  # DemoSettings.__post_init__ fills the settings left at None
+    methods = demo_methods(settings.entropy_coef)
     os.makedirs(output_dir, exist_ok=True)
     total_start = time.perf_counter()
     results: list[RunResult] = []
@@ -275,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         (settings,) = parse_options(parser, argv)
+        check_demo(settings.output_dir, settings)  # before the warm start
     except INPUT_ERRORS as err:
         return report_error(parser.prog, err)
     # Keep the console to the demo's progress lines: transformers' per-load progress bars and deprecation notices

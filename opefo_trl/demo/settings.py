@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from opefo_trl.demo.tasks import TASKS
@@ -226,6 +228,15 @@ class DemoSettings:
                 f"pass@{max(self.pass_at_k)} needs at least {max(self.pass_at_k)} samples per target, but "
                 f"pass_at_k_samples={self.pass_at_k_samples}: raise pass_at_k_samples or drop that k."
             )
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{f.name} must be a finite number, got {value}.")
+        for name in ("learning_rate", "warm_start_learning_rate", "temperature"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}.")
+        if self.entropy_coef < 0:
+            raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}.")
         if self.num_generations < 2:
             raise ValueError(
                 f"num_generations must be >= 2 (GRPO needs a group to compare), got {self.num_generations}."

@@ -37,10 +37,13 @@ Such differences change individual samples, not the distribution they are drawn 
 Outputs in ``output_dir``:
 
 - ``samples.jsonl``: one line per sample (with its seed), appended and flushed after every generation batch. A
-  re-run with the same settings skips what is already there, so an interrupted run resumes where it stopped.
-- ``run_config.json``: the generation settings and a content fingerprint of the weight files (adapter included;
-  :func:`opefo_trl.data.model_files.weight_fingerprints`); resuming with other settings, or after the weights
-  changed (e.g. more training into the model's directory), is refused. A hub model is known by its id only.
+  re-run with the same settings skips what is already there, so an interrupted run resumes where it stopped (a
+  last line cut off by the interruption is dropped; a whole last line missing its newline gets it back).
+- ``run_config.json``: the generation settings and content fingerprints of the weight files (adapter included;
+  :func:`opefo_trl.data.model_files.weight_fingerprints`) and of the tokenizer, chat template, config and
+  generation config (:func:`opefo_trl.data.model_files.model_file_fingerprints`); resuming with other settings, or
+  after any of those files changed (e.g. more training into the model's directory, an edited chat template), is
+  refused. A hub model is known by its id only.
 - ``results.json``: settings, per-benchmark metrics, per-problem rows (extracted answers, scores, n, c, majority
   answer) and the average over benchmarks.
 - ``results.md``: a markdown table, benchmarks x metrics, with an ``average`` row.

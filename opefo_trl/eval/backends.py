@@ -19,7 +19,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from opefo_trl.data.model_files import looks_like_local_path, weight_fingerprints
+from opefo_trl.data.model_files import (
+    check_has_weights,
+    looks_like_local_path,
+    model_file_fingerprints,
+    weight_fingerprints,
+)
 
 from .config import BACKENDS, EvaluationConfig
 from .store import SampleJob
@@ -41,6 +46,20 @@ class ModelSource:
             prints.update({f"adapter/{name}": value for name, value in weight_fingerprints(self.adapter_path).items()})
         return prints
 
+    def file_fingerprints(self) -> dict[str, str]:
+        """Content fingerprints of the files besides the weights that decide what is generated
+        (:func:`opefo_trl.data.model_files.model_file_fingerprints`): ``model/``, ``adapter/`` and ``tokenizer/<file>``
+        (the tokenizer's folder when it is another one)."""
+        prints = {}
+        folders = {"model": self.model_path, "adapter": self.adapter_path, "tokenizer": self.tokenizer_path}
+        seen: set[str] = set()
+        for role, folder in folders.items():
+            if folder is None or os.path.realpath(folder) in seen:
+                continue
+            seen.add(os.path.realpath(folder))
+            prints.update({f"{role}/{name}": value for name, value in model_file_fingerprints(folder).items()})
+        return prints
+
 
 def resolve_model_source(model_name_or_path: str, base_model_name_or_path: str | None = None) -> ModelSource:
     """Find out what ``model_name_or_path`` is without loading weights.
@@ -50,7 +69,7 @@ def resolve_model_source(model_name_or_path: str, base_model_name_or_path: str |
     local-looking path is treated as a hub id.
 
     Raises:
-        FileNotFoundError: a local path that does not exist, or a directory that holds no model.
+        FileNotFoundError: a local path that does not exist, or a directory that holds no model or no weights.
         ValueError: an adapter whose base model is unknown.
     """
     path = os.path.expanduser(model_name_or_path)
@@ -69,9 +88,13 @@ def resolve_model_source(model_name_or_path: str, base_model_name_or_path: str |
                 raise FileNotFoundError(
                     f"The base model {base!r} of adapter {path} does not exist; pass base_model_name_or_path."
                 )
+            check_has_weights(path)
+            if os.path.isdir(base_path):
+                check_has_weights(base_path)
             has_tokenizer = os.path.isfile(os.path.join(path, "tokenizer_config.json"))
             return ModelSource(base_path, adapter_path=path, tokenizer_path=path if has_tokenizer else base_path)
         if os.path.isfile(os.path.join(path, "config.json")):
+            check_has_weights(path)
             return ModelSource(path, tokenizer_path=path)
         raise FileNotFoundError(f"{path} holds neither a model (config.json) nor a PEFT adapter (adapter_config.json).")
     if os.path.exists(path) or looks_like_local_path(model_name_or_path):

@@ -15,7 +15,7 @@ from .backends import ModelSource, TransformersBackend, VLLMBackend, resolve_mod
 from .benchmarks import build_prompt_ids, context_length_warning, load_problems, resolve_benchmarks
 from .config import EvaluationConfig
 from .metrics import average_over_benchmarks, compute_benchmark_metrics, format_markdown_table, score_problem
-from .store import WEIGHTS_KEY, SampleJob, SampleStore, pending_jobs
+from .store import MODEL_FILES_KEY, WEIGHTS_KEY, SampleJob, SampleStore, pending_jobs
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +49,9 @@ def evaluate(
 ) -> dict[str, Any]:
     """Sample, score and summarise; write ``samples.jsonl``, ``results.json`` and ``results.md``; return the results.
 
-    Everything that can be checked without the model is checked first (benchmark names, ``k <= n``, model path,
-    backend, data columns, stored samples and the weights they were drawn from); the model is loaded only if samples
-    are missing.
+    Everything that can be checked without the model is checked first (benchmark names, ``k <= n``, model path and
+    its weights, backend, data columns, stored samples and the weights, tokenizer, chat template and generation
+    config they were drawn with); the model is loaded only if samples are missing.
 
     Args:
         config: The evaluation options.
@@ -69,7 +69,13 @@ def evaluate(
     problems_by_benchmark = {b.name: load_problems(b, config.max_problems) for b in benchmarks}
 
     store = SampleStore(config.output_dir, overwrite=config.overwrite)
-    store.check_settings({**config.generation_settings(backend_name), WEIGHTS_KEY: source.weight_fingerprints()})
+    store.check_settings(
+        {
+            **config.generation_settings(backend_name),
+            WEIGHTS_KEY: source.weight_fingerprints(),
+            MODEL_FILES_KEY: source.file_fingerprints(),
+        }
+    )
     for benchmark in benchmarks:
         store.check_problems(benchmark.name, problems_by_benchmark[benchmark.name])
 

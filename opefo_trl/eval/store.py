@@ -24,6 +24,18 @@ SAMPLES_FILE = "samples.jsonl"
 RUN_CONFIG_FILE = "run_config.json"
 #: Settings key of the weight files' fingerprints (`ModelSource.weight_fingerprints`) the samples were drawn from.
 WEIGHTS_KEY = "weights"
+#: Settings key of the fingerprints of the tokenizer, chat template, config and generation config
+#: (`ModelSource.file_fingerprints`) the samples were drawn with.
+MODEL_FILES_KEY = "model_files"
+#: How a change of each is described: what, the files it covers, a likely cause.
+_CHANGES = {
+    WEIGHTS_KEY: ("weights", "weights", "training wrote into {model}"),
+    MODEL_FILES_KEY: (
+        "model files",
+        "model files (tokenizer, chat template, config, generation config)",
+        "the chat template or generation config of {model} was edited",
+    ),
+}
 #: The fields of a stored sample that resuming and scoring read.
 RECORD_FIELDS = ("benchmark", "problem_id", "sample_index", "fingerprint", "completion", "num_tokens", "finish_reason")
 
@@ -87,6 +99,10 @@ class SampleStore:
                 raise ValueError(
                     f"{self.samples_path}, line {number}, is not valid JSON; fix or remove the file."
                 ) from None
+            if number == len(lines) and not line.endswith("\n"):  # whole, but the next append would be glued on
+                with open(self.samples_path, "a") as f:
+                    f.write("\n")
+                logger.warning("Added the newline missing at the end of %s (interrupted write).", self.samples_path)
             missing = [k for k in RECORD_FIELDS if k not in record] if isinstance(record, dict) else RECORD_FIELDS
             if missing:
                 raise ValueError(
@@ -109,8 +125,9 @@ class SampleStore:
                 stored = json.load(f)
             if self.samples:
                 changed = {k: (stored.get(k), v) for k, v in settings.items() if stored.get(k) != v}
-                if WEIGHTS_KEY in changed:
-                    raise ValueError(self._weights_changed(*changed[WEIGHTS_KEY], settings.get("model_name_or_path")))
+                for key in (WEIGHTS_KEY, MODEL_FILES_KEY):
+                    if key in changed:
+                        raise ValueError(self._model_changed(key, *changed[key], settings.get("model_name_or_path")))
                 if changed:
                     details = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
                     raise ValueError(
@@ -120,15 +137,16 @@ class SampleStore:
         with open(self.settings_path, "w") as f:
             json.dump(settings, f, indent=2)
 
-    def _weights_changed(self, stored: dict | None, current: dict, model: str | None) -> str:
+    def _model_changed(self, key: str, stored: dict | None, current: dict, model: str | None) -> str:
+        short, described, cause = _CHANGES[key]
         if stored is None:
-            what = "weights this opefo-eval did not record (an earlier version wrote them)"
+            what = f"{described} this opefo-eval did not record (an earlier version wrote them)"
         else:
             files = sorted(k for k in stored.keys() | current.keys() if stored.get(k) != current.get(k))
-            what = f"other weights: {', '.join(files)} changed since (e.g. training wrote into {model})"
+            what = f"other {short}: {', '.join(files)} changed since (e.g. {cause.format(model=model)})"
         return (
             f"{self.output_dir} holds {len(self.samples)} samples drawn from {what}. Use another output_dir, or "
-            "overwrite=True (--overwrite true) to discard them and sample the current weights."
+            f"overwrite=True (--overwrite true) to discard them and sample the current {short}."
         )
 
     def check_problems(self, benchmark: str, problems: Sequence[Problem]) -> None:

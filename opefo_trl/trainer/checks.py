@@ -1,21 +1,23 @@
 """What TRL and transformers only find out once training runs, checked when it can be.
 
 - :func:`check_training_values`: settings that fail only at the first optimizer step or generation (a negative
-  learning rate, no completion tokens, temperature 0), refused when the trainer is built, before the model loads.
+  learning rate, no completion tokens, temperature 0, any number option that is inf or nan), refused when the
+  trainer is built, before the model loads.
 - :class:`RewardCheck`: what reward functions return, checked on every call. A function that raises, returns
-  something other than one number (or None) per completion, or an infinite reward stops training with an error that
-  names the function and the first bad value, on every process at once (a reward computed on one process only
-  would leave the others waiting in the gather that follows).
+  something other than one number (or None) per completion, or a reward that is inf or NaN stops training with an
+  error that names the function and the first bad value, on every process at once (a reward computed on one process
+  only would leave the others waiting in the gather that follows).
 
 Example:
     >>> reward_problem("my_reward", [1.0, "0.5"], 2)  # doctest: +ELLIPSIS
     "Reward function 'my_reward' returned '0.5' (a str) for completion 1 of 2..."
-    >>> print(reward_problem("my_reward", [1.0, float("inf"), None], 3))  # doctest: +ELLIPSIS
-    Reward function 'my_reward' returned inf for 1 of 3 completions (first: completion 1); ...
+    >>> print(reward_problem("my_reward", [1.0, float("nan"), None], 3))  # doctest: +ELLIPSIS
+    Reward function 'my_reward' returned nan for 1 of 3 completions (first: completion 1); ...
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import traceback
@@ -24,6 +26,26 @@ from contextlib import contextmanager
 from typing import Any
 
 from trl.trainer.utils import is_async_callable
+
+
+def non_finite_options(args) -> list[str]:
+    """``name=value`` of every number option of ``args`` (a dataclass or a namespace) that is inf or nan, lists of
+    numbers included.
+
+    >>> from types import SimpleNamespace
+    >>> non_finite_options(SimpleNamespace(learning_rate=float("inf"), reward_weights=[1.0, float("nan")], steps=2))
+    ['learning_rate=inf', 'reward_weights=[1.0, nan]']
+    """
+    if dataclasses.is_dataclass(args):
+        values = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(args)}
+    else:
+        values = dict(vars(args))
+    found = []
+    for name, value in values.items():
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in items):
+            found.append(f"{name}={value}")
+    return found
 
 
 def check_training_values(args) -> None:
@@ -35,8 +57,15 @@ def check_training_values(args) -> None:
         Traceback (most recent call last):
         ...
         ValueError: learning_rate=-1.0: the learning rate must be >= 0 (e.g. 1e-6).
+        >>> check_training_values(SimpleNamespace(learning_rate=float("nan"), max_completion_length=8, temperature=1.0))
+        Traceback (most recent call last):
+        ...
+        ValueError: learning_rate=nan: must be a finite number (every number option is, not inf or nan).
     """
-    problems = []
+    problems = [
+        f"{option}: must be a finite number (every number option is, not inf or nan)"
+        for option in non_finite_options(args)
+    ]
     if args.learning_rate < 0:
         problems.append(f"learning_rate={args.learning_rate}: the learning rate must be >= 0 (e.g. 1e-6)")
     if args.max_completion_length is not None and args.max_completion_length < 1:
@@ -96,12 +125,12 @@ def reward_problem(name: str, rewards: Any, expected: int) -> str | None:
             f"{expected} ({len(bad)} such value(s) in this batch); rewards must be numbers (int or float), or None "
             "to leave a completion out. Convert them in the function, e.g. `float(score)`."
         )
-    infinite = [i for i, v in enumerate(values) if v is not None and math.isinf(float(v))]
-    if infinite:
+    non_finite = [i for i, v in enumerate(values) if v is not None and not math.isfinite(float(v))]
+    if non_finite:
         return (
-            f"Reward function {name!r} returned {float(values[infinite[0]])} for {len(infinite)} of {expected} "
-            f"completions (first: completion {infinite[0]}); an infinite reward makes its group's advantages NaN, "
-            "then 0. Return a finite number, or None to leave a completion out."
+            f"Reward function {name!r} returned {float(values[non_finite[0]])} for {len(non_finite)} of {expected} "
+            f"completions (first: completion {non_finite[0]}); a non-finite reward (inf or NaN) makes its group's "
+            "advantages NaN, then 0, and trains nothing. Return a finite number, or None to leave a completion out."
         )
     return None
 
@@ -156,8 +185,9 @@ class RewardCheck:
             )
             failure.__cause__ = raised
         else:
-            rewards = rewards if isinstance(rewards, Sequence) else _as_list(rewards)  # a generator is read once
-            problem = reward_problem(name, rewards, self.num_completions)
+            listed = rewards if isinstance(rewards, Sequence) else _as_list(rewards)  # a generator is read once
+            problem = reward_problem(name, rewards if listed is None else listed, self.num_completions)
+            rewards = listed
             failure = None if problem is None else RewardFunctionError(problem)
         if failure is None:
             return rewards

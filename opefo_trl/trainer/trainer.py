@@ -9,9 +9,9 @@ The trainer holds only `__init__` and TRL's hooks; each hook hands over to a par
 - `_get_per_token_logps_and_entropies` (every TRL scoring call): the observer of the call in progress, if any (TRL's
   old-log-prob pass over a new rollout: a `rollout.RolloutCapture`; the loss forward: a `micro_batch.LossCall`);
 - around the optimizer step (callbacks): `audit.EntropyAudit`;
-- `create_optimizer`: `ParamEstimate.check_optimizer`; `_save_checkpoint`, `_load_optimizer_and_scheduler`: the
-  method's state (`opefo_trl.runs`); `_calculate_rewards`: `checks.RewardCheck`; `_get_train_sampler`:
-  `sampler.EpochSeededSampler`.
+- `create_optimizer`: `ParamEstimate.check_optimizer`; `train` (resume from the last *whole* checkpoint),
+  `_save_checkpoint` (whole or removed), `_load_optimizer_and_scheduler` (the method's state): `opefo_trl.runs`;
+  `_calculate_rewards`: `checks.RewardCheck`; `_get_train_sampler`: `sampler.EpochSeededSampler`.
 
 The trainer's own forwards go through `scoring.Scorer`; the policy's precision set-up is `model_setup`. The TRL code
 each part relies on, and what to check on a TRL upgrade: CONTRIBUTING.md ("Support a new TRL version").
@@ -30,7 +30,6 @@ Example:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -42,12 +41,11 @@ from opefo_trl._compat import check_trl_version
 
 check_trl_version()
 
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.trainer.utils import get_config_model_id  # noqa: E402
 
 from opefo_trl.methods import TokenMethod, get_token_method_class  # noqa: E402
-from opefo_trl.runs import load_method_state, save_method_state  # noqa: E402
+from opefo_trl.runs import load_method_state, resume_checkpoint, saving_checkpoint  # noqa: E402
 from opefo_trl.trainer import model_setup  # noqa: E402
 from opefo_trl.trainer.audit import EntropyAudit  # noqa: E402
 from opefo_trl.trainer.checks import RewardCheck, check_training_values  # noqa: E402
@@ -269,13 +267,16 @@ class OPEFOTrainer(GRPOTrainer):
             self.param_estimate.check_optimizer(optimizer, self.args.entropy_flow_preconditioner)
         return optimizer
 
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """`Trainer.train`; `resume_from_checkpoint=True` resumes the last *whole* checkpoint of output_dir."""
+        checkpoint = resume_checkpoint(resume_from_checkpoint, self.args.output_dir, self.args.method)
+        return super().train(checkpoint, *args, **kwargs)
+
     def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        if self.args.should_save:
-            folder = os.path.join(
-                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            )
-            save_method_state(folder, self.args.method, self.token_method.state_dict())
+        method_state = lambda: (self.args.method, self.token_method.state_dict())  # noqa: E731
+        run_dir, wait = self._get_output_dir(trial=trial), self.accelerator.wait_for_everyone
+        with saving_checkpoint(run_dir, self.args, self.state, method_state, wait):
+            super()._save_checkpoint(model, trial)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)

@@ -58,3 +58,15 @@ def test_cli_refuses_an_empty_benchmark_file_and_an_output_dir_that_is_a_file(ti
     assert main(args + ["--benchmarks", "aime24", "--output_dir", str(tmp_path / "out.txt")]) == 2
     assert f"output_dir '{tmp_path / 'out.txt'}' is a file; give a directory" in capsys.readouterr().err
     assert sorted(os.listdir(tmp_path)) == ["empty.jsonl", "out.txt"]
+
+
+def test_cli_names_a_model_folder_without_weights(tiny_model_path, bench_file, tmp_path, capsys):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model)
+    os.remove(model / "model.safetensors")
+    argv = ["--model_name_or_path", str(model), "--benchmarks", bench_file, "--output_dir", str(tmp_path / "eval")]
+    assert main([*argv, "--backend", "transformers", "--no_progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"opefo-eval: error: {model} holds no weights (no *.safetensors") and "Traceback" not in err

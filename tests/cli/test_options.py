@@ -5,7 +5,7 @@ import os
 import pytest
 
 from opefo_trl.cli import evaluate, train
-from opefo_trl.cli.options import build_parser, parse_options, unknown_options_error
+from opefo_trl.cli.options import build_parser, parse_options
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "qwen2.5-math-7b", "opefo.yaml")
 
@@ -108,10 +108,51 @@ def test_stray_values_are_explained():
         parse_options(_parser(), ["--learning_rate", "1e-5", "z"])
 
 
-def test_other_errors_are_left_alone():
-    assert (
-        unknown_options_error(ValueError("learning_rate must be > 0"), ["learning_rate"], prog="t", recipe=None) is None
+@pytest.mark.parametrize(
+    "argv, stray",
+    [
+        (["--learning_rate", "1e-5", "z"], ["z"]),
+        (["a", "--learning_rate", "1e-5"], ["a"]),
+        (["--learning_rate", "1e-5", "-3"], ["-3"]),  # a negative number no flag takes
+        (["--learning_rate", "1e-5", "-x"], ["-x"]),  # no option is spelt -x
+        (["--reward_funcs", "a", "b", "--learning_rate", "2", "c"], ["c"]),
+    ],
+)
+def test_stray_values_are_refused_before_trl_parses_anything(argv, stray, monkeypatch):
+    parser = _parser()
+
+    def trl_parses(*args, **kwargs):
+        raise AssertionError("TRL's parser was reached: it would raise its own unknown-argument error")
+
+    monkeypatch.setattr(parser, "parse_args_and_config", trl_parses)
+    with pytest.raises(ValueError) as error:
+        parse_options(parser, argv)
+    assert str(error.value) == (
+        f"Unexpected value(s) on the command line: {stray}. Options take the form `--name value`; a list option "
+        "takes its values after one flag (`--name a b`)."
     )
+
+
+def test_values_argparse_takes_are_not_stray():
+    (options,) = parse_options(_parser(), ["--reward_funcs", "a", "-", "--learning_rate", "-1"])
+    assert (options.reward_funcs, options.learning_rate) == (["a", "-"], -1.0)
+
+
+def test_other_errors_are_left_alone():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Checked:
+        learning_rate: float = 1e-6
+
+        def __post_init__(self):
+            if self.learning_rate <= 0:
+                raise ValueError("learning_rate must be > 0")
+
+    with pytest.raises(ValueError, match="^learning_rate must be > 0$"):
+        parse_options(build_parser([Checked], prog="t"), ["--learning_rate", "0"])
+    with pytest.raises(SystemExit):  # argparse's own type error, as before
+        parse_options(build_parser([Checked], prog="t"), ["--learning_rate", "fast"])
 
 
 def test_recipe_values_are_checked_against_the_declared_types(tmp_path):

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from opefo_trl.cli.train import main, parse_args
-from opefo_trl.runs import METHOD_STATE_NAME
+from opefo_trl.runs import CHECKPOINT_MARKER, LOCK_NAME, MANIFEST_NAME, METHOD_STATE_NAME, record_in_manifest
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "qwen2.5-math-7b", "opefo.yaml")
 PAR_RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "qwen2.5-math-7b", "par.yaml")
@@ -238,6 +238,11 @@ def test_prompt_longer_than_context_fails_before_model_loading(
         (["--learning_rate", "-1"], ValueError, "learning_rate=-1.0: the learning rate must be >= 0 (e.g. 1e-6)"),
         (["--max_completion_length", "0"], ValueError, "max_completion_length=0: completions need at least 1 token"),
         (["--temperature", "0"], ValueError, "temperature=0.0: GRPO samples completions and scores"),
+        # Non-finite numbers: before, lr inf trained a non-finite model with exit 0, nan and temperature nan crashed.
+        (["--learning_rate", "inf"], ValueError, "learning_rate=inf: must be a finite number"),
+        (["--learning_rate", "nan"], ValueError, "learning_rate=nan: must be a finite number"),
+        (["--temperature", "nan"], ValueError, "temperature=nan: must be a finite number"),
+        (["--max_grad_norm", "inf"], ValueError, "max_grad_norm=inf: must be a finite number"),
         # A model path that does not exist (transformers would raise HFValidationError: "Repo id must be ...").
         (["--model_name_or_path", "./no/model"], FileNotFoundError, "Model path './no/model' does not exist"),
         (["--model_name_or_path", "no such/model"], ValueError, "'no such/model' is neither a local directory nor"),
@@ -383,8 +388,8 @@ def test_resume_restores_optimizer_and_method_state(tiny_model_path, problems_fi
 
 @pytest.fixture
 def earlier_run(tmp_path, write_checkpoint):
-    """An output_dir as a finished run leaves it (checkpoints, metrics, final weights), with an eval folder and a
-    note of the user's that are not the run's."""
+    """An output_dir as a finished run of opefo-train leaves it (checkpoints, metrics, final weights, all in its
+    manifest), with an opefo-eval folder and a hidden file that are not the run's."""
     from safetensors.torch import save_file
 
     out = tmp_path / "out"
@@ -392,9 +397,10 @@ def earlier_run(tmp_path, write_checkpoint):
         write_checkpoint(out, step)
     (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.5}) + "\n" for s in (1, 2, 3)))
     save_file({"a": __import__("torch").zeros(4)}, str(out / "model.safetensors"))
+    record_in_manifest(str(out), ["metrics.jsonl", "model.safetensors"])
     (out / "eval").mkdir()
     (out / "eval" / "samples.jsonl").write_text('{"kept": true}\n')
-    (out / "notes.txt").write_text("mine")
+    (out / ".notes").write_text("mine")
     return out
 
 
@@ -425,13 +431,13 @@ def test_an_earlier_run_is_refused_unless_resumed_or_overwritten(
     for accepted in (["--resume_from_checkpoint", "true"], ["--overwrite_output_dir", "true"]):
         with pytest.raises(no_model_loading):
             main(argv + accepted)
-    assert snapshot(tmp_path) == before  # files are removed only once the model has loaded
+    assert snapshot(tmp_path) == before  # an overwrite that fails before its first checkpoint moves everything back
 
 
 def test_overwrite_removes_the_earlier_run_and_nothing_else(
     earlier_run, tiny_model_path, problems_file, reward_module, snapshot
 ):
-    kept = {k: v for k, v in snapshot(earlier_run).items() if k.startswith("eval") or k == "notes.txt"}
+    kept = {k: v for k, v in snapshot(earlier_run).items() if k.startswith(("eval", ".notes"))}
     argv = [
         "--config",
         RECIPE,
@@ -446,6 +452,99 @@ def test_overwrite_removes_the_earlier_run_and_nothing_else(
     assert sorted(name for name in os.listdir(earlier_run) if name.startswith("checkpoint-")) == ["checkpoint-1"]
     assert [m["step"] for m in _metrics(str(earlier_run))] == [1, 1]  # the new run's step 1 and its summary row
     assert {k: after[k] for k in kept} == kept  # the eval folder and the user's note are untouched
+    # Nothing else is left: no set-aside folder, no lock; the manifest lists exactly what the new run wrote.
+    listed = json.loads((earlier_run / MANIFEST_NAME).read_text())["entries"]
+    assert sorted(os.listdir(earlier_run)) == sorted([*listed, MANIFEST_NAME, "eval", ".notes"])
+    assert {"checkpoint-1", "metrics.jsonl", "model.safetensors", "config.json", "README.md"} <= set(listed)
+
+
+FAILING_REWARD_MODULE = """
+def string_reward(completions, **kwargs):
+    return ["0.5" for _ in completions]
+
+
+def nan_reward(completions, **kwargs):
+    return [float("nan") if i % 2 else 1.0 for i in range(len(completions))]
+"""
+
+
+@pytest.fixture
+def failing_rewards(tmp_path, monkeypatch):
+    (tmp_path / "opefo_cli_failing_rewards.py").write_text(FAILING_REWARD_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "opefo_cli_failing_rewards"
+    __import__("sys").modules.pop("opefo_cli_failing_rewards", None)
+
+
+def test_an_overwrite_that_fails_before_its_first_checkpoint_leaves_the_earlier_run_as_it_was(
+    earlier_run, tiny_model_path, problems_file, failing_rewards, tmp_path, capsys, snapshot
+):
+    """Before: the earlier run was deleted once the model had loaded, and the failing new run left nothing."""
+    before = snapshot(tmp_path)
+    argv = [
+        "--config",
+        RECIPE,
+        *_cpu_overrides(tiny_model_path, problems_file, str(earlier_run), save_steps=1),
+        "--reward_funcs",
+        f"{failing_rewards}.string_reward",
+        "--overwrite_output_dir",
+        "true",
+    ]
+    assert main(argv) == 2
+    assert "opefo-train: error: Reward function 'string_reward' returned '0.5'" in capsys.readouterr().err
+    assert snapshot(tmp_path) == before
+
+
+def test_the_models_own_folder_and_files_no_run_wrote_are_refused_before_loading(
+    tiny_model_path, problems_file, tmp_path, no_model_loading, capsys, snapshot
+):
+    """Before: --output_dir equal to the model's folder deleted its model.safetensors (with overwrite), and a user
+    folder's checkpoint-7/, metrics.jsonl and model.safetensors were deleted or replaced."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model)
+    before = snapshot(tmp_path)
+    for overwrite in ([], ["--overwrite_output_dir", "true"]):
+        argv = ["--config", RECIPE, *_cpu_overrides(str(model), problems_file, str(model)), *overwrite]
+        assert main(argv) == 2
+        assert (
+            f"opefo-train: error: output_dir '{model}' is the folder of the model this run starts from "
+            "(model_name_or_path): its checkpoints and final model would be written over the model's own files."
+        ) in capsys.readouterr().err
+    mine = tmp_path / "mine"
+    (mine / "checkpoint-7").mkdir(parents=True)
+    (mine / "checkpoint-7" / "paper.tex").write_text("\\documentclass{article}")
+    (mine / "metrics.jsonl").write_text('{"step": 1, "mine": true}\n')
+    (mine / "model.safetensors").write_bytes(b"my weights")
+    before = snapshot(tmp_path)
+    for overwrite in ([], ["--overwrite_output_dir", "true"]):
+        assert main(["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(mine)), *overwrite]) == 2
+        err = capsys.readouterr().err
+        assert (
+            f"opefo-train: error: output_dir '{mine}' holds files that no run of opefo-train wrote (its "
+            "opefo_run_manifest.json does not list them): checkpoint-7, metrics.jsonl, model.safetensors. "
+            "opefo-train writes over and deletes only what its own runs wrote: move them out of the folder, or give "
+            "another --output_dir."
+        ) in err
+    assert snapshot(tmp_path) == before
+
+
+def test_an_overwrite_that_would_delete_the_model_it_starts_from_is_refused(
+    earlier_run, tiny_model_path, problems_file, no_model_loading, capsys, snapshot
+):
+    import shutil
+
+    shutil.rmtree(earlier_run / "checkpoint-3")
+    shutil.copytree(tiny_model_path, earlier_run / "checkpoint-3")  # a model saved by the earlier run
+    before = snapshot(earlier_run)
+    argv = ["--config", RECIPE, *_cpu_overrides(str(earlier_run / "checkpoint-3"), problems_file, str(earlier_run))]
+    assert main(argv + ["--overwrite_output_dir", "true"]) == 2
+    assert (
+        f"overwrite_output_dir would delete {earlier_run / 'checkpoint-3'}, which holds "
+        f"{earlier_run / 'checkpoint-3'}, the model this run starts from"
+    ) in capsys.readouterr().err
+    assert snapshot(earlier_run) == before
 
 
 @pytest.mark.parametrize(
@@ -453,26 +552,33 @@ def test_overwrite_removes_the_earlier_run_and_nothing_else(
     [
         ("model.safetensors", "truncate", "is cut short: it has"),
         ("model.safetensors", "empty", "is empty"),
-        ("optimizer.pt", "truncate", "is not a whole torch.save archive"),
-        ("trainer_state.json", "truncate", "is not valid JSON"),
+        ("optimizer.pt", "truncate", "is cut short: it has"),
+        ("trainer_state.json", "truncate", "is cut short: it has"),
         ("opefo_method_state.json", "empty", "is empty"),
+        (CHECKPOINT_MARKER, "remove", "is missing: the save of this checkpoint did not finish"),
     ],
 )
 def test_a_broken_checkpoint_is_named_before_loading_with_the_one_to_try(
     earlier_run, name, damage, reason, tiny_model_path, problems_file, tmp_path, no_model_loading, capsys, snapshot
 ):
     path = earlier_run / "checkpoint-3" / name
-    with open(path, "r+b") as f:
-        f.truncate(0 if damage == "empty" else os.path.getsize(path) // 2)
+    if damage == "remove":
+        os.remove(path)
+    else:
+        with open(path, "r+b") as f:
+            f.truncate(0 if damage == "empty" else os.path.getsize(path) // 2)
     argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(earlier_run))]
     before = snapshot(tmp_path)
-    assert main(argv + ["--resume_from_checkpoint", "true"]) == 2
+    assert main(argv + ["--resume_from_checkpoint", str(earlier_run / "checkpoint-3")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"opefo-train: error: Cannot resume from {earlier_run / 'checkpoint-3'}: {path} {reason}")
     assert f"Resume from the previous checkpoint with --resume_from_checkpoint {earlier_run / 'checkpoint-2'}." in err
     assert "Traceback" not in err and snapshot(tmp_path) == before
-    with pytest.raises(no_model_loading):  # the named fix passes the checks
-        main(argv + ["--resume_from_checkpoint", str(earlier_run / "checkpoint-2")])
+    # The named fix passes the checks, and so does `true`, which takes the last whole checkpoint: checkpoint-2.
+    for resume in (str(earlier_run / "checkpoint-2"), "true"):
+        with pytest.raises(no_model_loading):
+            main(argv + ["--resume_from_checkpoint", resume])
+    assert snapshot(tmp_path) == before
 
 
 def test_a_checkpoint_of_another_method_is_refused_before_loading(
@@ -534,24 +640,16 @@ def test_an_unknown_key_is_reported_before_a_setting_this_machine_lacks(tmp_path
     assert "Unknown key(s) in recipe" in err and "'num_generation' (did you mean 'num_generations'" in err
 
 
-STRING_REWARD_MODULE = """
-def string_reward(completions, **kwargs):
-    return ["0.5" for _ in completions]
-"""
-
-
 def test_a_reward_returning_strings_stops_at_its_first_call_without_a_traceback(
-    tiny_model_path, problems_file, tmp_path, monkeypatch, capsys
+    tiny_model_path, problems_file, tmp_path, failing_rewards, capsys
 ):
-    (tmp_path / "opefo_cli_string_rewards.py").write_text(STRING_REWARD_MODULE)
-    monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "out"
     argv = [
         "--config",
         RECIPE,
         *_cpu_overrides(tiny_model_path, problems_file, str(out), save_steps=1),
         "--reward_funcs",
-        "opefo_cli_string_rewards.string_reward",
+        f"{failing_rewards}.string_reward",
     ]
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -560,7 +658,27 @@ def test_a_reward_returning_strings_stops_at_its_first_call_without_a_traceback(
         "value(s) in this batch); rewards must be numbers"
     ) in err
     assert "Traceback" not in err
-    assert not os.path.exists(out) or os.listdir(out) == []  # no step, no checkpoint, no metrics line
+    assert not os.path.exists(out)  # no step, no checkpoint, no metrics line, no lock or manifest
+
+
+def test_a_reward_returning_nan_stops_at_its_first_call(
+    tiny_model_path, problems_file, tmp_path, failing_rewards, capsys
+):
+    """Before: half NaN rewards trained with exit 0 (loss 0, grad-norm 0)."""
+    argv = [
+        "--config",
+        RECIPE,
+        *_cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "out")),
+        "--reward_funcs",
+        f"{failing_rewards}.nan_reward",
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert (
+        "opefo-train: error: Reward function 'nan_reward' returned nan for 4 of 8 completions (first: completion 1); "
+        "a non-finite reward"
+    ) in err
+    assert "Traceback" not in err
 
 
 def _prompt_order(log):
@@ -617,3 +735,190 @@ def test_resume_draws_the_prompts_of_an_uninterrupted_run_in_every_epoch(
         for step, logged in metrics.items():
             for key in ("entropy", "reward", "loss"):
                 assert logged[key] == pytest.approx(full_metrics[step][key], rel=1e-6, abs=1e-9), (checkpoint, step)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Two processes on one folder, and what a kill leaves
+# ----------------------------------------------------------------------------------------------------------------------
+
+BLOCKING_MODULE = '''
+import os, time
+
+
+def blocking_reward(completions, **kwargs):
+    """Says it is running, then waits (holding its run's folder) until the test lets it go."""
+    open(os.environ["OPEFO_READY"], "w").close()
+    deadline = time.time() + 300
+    while not os.path.exists(os.environ["OPEFO_GO"]) and time.time() < deadline:
+        time.sleep(0.1)
+    return [float(len(c[-1]["content"]) % 3) for c in completions]
+'''
+
+KILLED_SAVE = """
+import os, signal, sys
+
+import opefo_trl.runs as runs
+
+original = runs.save_method_state
+
+
+def killed_before_the_method_state(folder, method, state):
+    if folder.endswith("checkpoint-3"):  # every Trainer file of checkpoint-3 is written: kill -9 here
+        os.kill(os.getpid(), signal.SIGKILL)
+    original(folder, method, state)
+
+
+runs.save_method_state = killed_before_the_method_state
+from opefo_trl.cli.train import main
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _start(tmp_path, argv, script=None, **env):
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-c", script] if script else [sys.executable, "-m", "opefo_trl.cli.train"]
+    environment = {**os.environ, "PYTHONPATH": str(tmp_path), "HF_HUB_OFFLINE": "1", **env}
+    return subprocess.Popen([*command, *argv], env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def test_a_second_run_into_the_folder_is_refused_at_once_and_a_killed_run_blocks_nothing(
+    tiny_model_path, problems_file, tmp_path, monkeypatch, capsys
+):
+    """Before: a second opefo-train started 3 s after the first passed the check, and both wrote into the folder."""
+    import signal
+    import time
+
+    (tmp_path / "opefo_cli_blocking_rewards.py").write_text(BLOCKING_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "out"
+    argv = [
+        "--config",
+        RECIPE,
+        *_cpu_overrides(tiny_model_path, problems_file, str(out), max_steps=2),
+        "--reward_funcs",
+        "opefo_cli_blocking_rewards.blocking_reward",
+    ]
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    first = _start(tmp_path, argv, OPEFO_READY=str(ready), OPEFO_GO=str(go))
+    try:
+        deadline = time.time() + 300
+        while not ready.exists() and first.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert ready.exists(), first.communicate()[0].decode()[-3000:]
+        assert main(argv) == 2  # this process, while the first one trains
+        err = capsys.readouterr().err
+        assert (
+            f"opefo-train: error: output_dir '{out}' is in use by another run: pid {first.pid} on host "
+            f"{__import__('socket').gethostname()} (since "
+        ) in err
+        assert f"holds its lock {out / LOCK_NAME}." in err and "Traceback" not in err
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert (out / LOCK_NAME).exists()  # left by the killed run; the kernel released its lock
+    go.touch()
+    monkeypatch.setenv("OPEFO_READY", str(ready))
+    monkeypatch.setenv("OPEFO_GO", str(go))
+    assert main(argv) == 0  # the killed run wrote nothing of its own: nothing to resume or overwrite
+    __import__("sys").modules.pop("opefo_cli_blocking_rewards", None)
+    steps = [m["step"] for m in _metrics(str(out)) if "reward" in m]
+    assert steps == [1, 2]  # one run's rows, once each
+    assert not (out / LOCK_NAME).exists()
+
+
+def test_a_run_killed_between_the_trainers_files_and_the_method_state_resumes_the_last_whole_checkpoint(
+    tiny_model_path, problems_file, tmp_path, reward_module, caplog, capsys
+):
+    """Before: checkpoint-3 without opefo_method_state.json passed the check, --resume_from_checkpoint true exited 0
+    with no warning, and PAR's coefficient restarted (par/coef 0.0 at step 4 instead of continuing)."""
+    out = tmp_path / "out"
+    reward = ["--reward_funcs", "opefo_cli_test_rewards.digit_overlap_reward"]
+    argv = ["--config", PAR_RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(out), max_steps=4), *reward]
+    killed = _start(tmp_path / "..", [*argv, "--save_steps", "1"], KILLED_SAVE, PYTHONPATH=str(tmp_path))
+    output = killed.communicate(timeout=600)[0].decode()
+    assert killed.returncode == -9, output[-3000:]
+    checkpoint = out / "checkpoint-3"
+    assert (checkpoint / "optimizer.pt").exists() and not (checkpoint / METHOD_STATE_NAME).exists()
+    logged = {m["step"]: m for m in _metrics(str(out)) if "par/coef" in m}
+    assert sorted(logged) == [1, 2, 3]
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "par/co')  # and a line cut off by a kill while it was written
+
+    # Named, with the checkpoint to use instead:
+    assert main([*argv, "--resume_from_checkpoint", str(checkpoint)]) == 2
+    assert (
+        f"opefo-train: error: Cannot resume from {checkpoint}: {checkpoint / CHECKPOINT_MARKER} is missing: the save "
+        "of this checkpoint did not finish (opefo-train writes it last, once every other file is saved). Resume from "
+        f"the previous checkpoint with --resume_from_checkpoint {out / 'checkpoint-2'}."
+    ) in capsys.readouterr().err
+    # `true` takes checkpoint-2, says why, replays step 3 as the killed run logged it, and continues PAR's controller.
+    with caplog.at_level("WARNING"):
+        assert main([*argv, "--save_steps", "1", "--resume_from_checkpoint", "true"]) == 0
+    assert f"Skipping {checkpoint}: {checkpoint / CHECKPOINT_MARKER} is missing" in caplog.text
+    assert f"{out / 'metrics.jsonl'}: dropped its last line, cut off" in caplog.text
+    resumed = {m["step"]: m for m in _metrics(str(out)) if "par/coef" in m}
+    assert sorted(resumed) == [1, 2, 3, 4]
+    assert resumed[3]["par/coef"] == pytest.approx(logged[3]["par/coef"]) and resumed[3]["par/coef"] > 0
+    coefs = [resumed[s]["par/coef"] for s in (2, 3, 4)]
+    assert coefs[2] == pytest.approx(min(1.0, coefs[1] + (coefs[1] - coefs[0])))
+    __import__("opefo_trl.runs").runs.check_checkpoint(str(checkpoint), "par")  # saved again, whole
+
+
+def test_a_corrupt_metrics_line_is_refused_before_loading(
+    earlier_run, tiny_model_path, problems_file, no_model_loading, capsys, snapshot
+):
+    """Before: a JSONDecodeError traceback from the metrics callback, after the model loaded."""
+    (earlier_run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n')
+    before = snapshot(earlier_run)
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(earlier_run))]
+    assert main(argv + ["--resume_from_checkpoint", "true"]) == 2
+    err = capsys.readouterr().err
+    assert f"opefo-train: error: {earlier_run / 'metrics.jsonl'}, line 2, is not a metrics record" in err
+    assert "fix or delete that line" in err and snapshot(earlier_run) == before
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_no_partial_checkpoint(
+    earlier_run, tiny_model_path, problems_file, reward_module, tmp_path, monkeypatch, capsys, snapshot
+):
+    """Before: a torch inline_container traceback and a partial optimizer.pt. Here into an overwritten run: it is
+    moved back, since the new run saved nothing."""
+    import errno
+
+    import torch
+
+    real_save = torch.save
+
+    def full_disk(obj, f, *args, **kwargs):
+        if str(f).endswith("optimizer.pt"):
+            with open(f, "wb") as partial:
+                partial.write(b"PK\x03\x04")
+            raise OSError(errno.ENOSPC, "No space left on device", str(f))
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    before = snapshot(tmp_path)
+    argv = [
+        "--config",
+        RECIPE,
+        *_cpu_overrides(tiny_model_path, problems_file, str(earlier_run), save_steps=1),
+        "--reward_funcs",
+        "opefo_cli_test_rewards.digit_overlap_reward",
+        "--overwrite_output_dir",
+        "true",
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    checkpoint = earlier_run / "checkpoint-1"
+    assert [line for line in err.splitlines() if "error" in line.lower()] == [
+        f"opefo-train: error: Cannot save the checkpoint {checkpoint}: OSError: [Errno 28] No space left on device: "
+        f"'{checkpoint / 'optimizer.pt'}'. The unfinished checkpoint was removed. Free space on that disk (or make the "
+        "folder writable), then resume from the last whole checkpoint with --resume_from_checkpoint true."
+    ]
+    assert "Traceback" not in err
+    assert snapshot(tmp_path) == before

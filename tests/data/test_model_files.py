@@ -32,8 +32,27 @@ def test_model_paths_are_checked_without_loading(tiny_model_path, tmp_path):
         check_model_name_or_path("./runs/nope")
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         check_model_name_or_path(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")  # a config without weights: opefo-train would fail loading it
+    with pytest.raises(FileNotFoundError, match=r"holds no weights \(no \*.safetensors, pytorch_model\*.bin or shard"):
+        check_model_name_or_path(str(tmp_path))
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(ValueError, match="is a file; give the model's directory"):
         check_model_name_or_path(str(tmp_path / "weights.bin"))
     with pytest.raises(ValueError, match="'bad name' is neither a local directory nor a valid hub id"):
         check_model_name_or_path("bad name")
+
+
+def test_model_file_fingerprints_follow_the_tokenizer_template_and_configs(tiny_model_path, tmp_path):
+    import shutil
+
+    from opefo_trl.data.model_files import model_file_fingerprints
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model)
+    prints = model_file_fingerprints(model)
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= set(prints)
+    assert "model.safetensors" not in prints  # weights: weight_fingerprints
+    (model / "additional_chat_templates").mkdir()
+    (model / "additional_chat_templates" / "tools.jinja").write_text("{{ messages }}")
+    again = model_file_fingerprints(model)
+    assert again["additional_chat_templates/tools.jinja"] and {k: again[k] for k in prints} == prints

@@ -98,8 +98,26 @@ def test_quick_demo_end_to_end_in_two_numerics_settings(tmp_path, capsys, tiny_f
     assert all(set(r["verdicts"]) == set(numerics) for r in readings.values())
 
 
-def test_bad_arguments_fail_before_any_work(tmp_path, capsys):
+def test_bad_arguments_fail_before_any_work(tmp_path, capsys, monkeypatch):
+    import opefo_trl.demo.runner
+
+    def no_warm_start(*args, **kwargs):
+        raise AssertionError("the warm start ran before the settings were checked")
+
+    monkeypatch.setattr(opefo_trl.demo.runner, "warm_start", no_warm_start)
     out = tmp_path / "never"
+    # Before: the 144 s warm start ran, then a worker's traceback.
+    for flags, message in (
+        (["--learning_rate", "-1"], "python -m opefo_trl.demo: error: learning_rate must be > 0, got -1.0."),
+        (
+            ["--learning_rate", "nan"],
+            "python -m opefo_trl.demo: error: learning_rate must be a finite number, got nan.",
+        ),
+        (["--temperature", "0"], "python -m opefo_trl.demo: error: temperature must be > 0, got 0.0."),
+    ):
+        assert main(["--output_dir", str(out), *flags]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
     assert main(["--output_dir", str(out), "--steps", "0"]) == 2
     assert "steps must be >= 1" in capsys.readouterr().err
     assert main(["--output_dir", str(out), "--methods", "sft"]) == 2

@@ -51,6 +51,11 @@ def test_methods_of_make_demo_and_behind_the_flag():
         (dict(pass_at_k=[0, 4]), "whole numbers >= 1"),
         (dict(pass_at_k_samples=-1), "pass_at_k_samples must be >= 0"),
         (dict(workers=0), "workers must be >= 1"),
+        (dict(learning_rate=-1.0), r"learning_rate must be > 0, got -1.0"),
+        (dict(warm_start_learning_rate=0.0), r"warm_start_learning_rate must be > 0, got 0.0"),
+        (dict(learning_rate=float("nan")), r"learning_rate must be a finite number, got nan"),
+        (dict(temperature=float("inf")), r"temperature must be a finite number, got inf"),
+        (dict(entropy_coef=-1e-3), r"entropy_coef must be >= 0, got -0.001"),
     ],
 )
 def test_settings_are_validated(overrides, message):

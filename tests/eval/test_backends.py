@@ -115,3 +115,16 @@ def test_missing_model_path(bench_file, tmp_path, eval_config, no_model_loading)
     with pytest.raises(FileNotFoundError, match="base model '/nonexistent/base' of adapter"):
         evaluate(eval_config(str(adapter), bench_file, tmp_path / "out"))
     assert resolve_model_source("Qwen/Qwen2.5-Math-7B").model_path == "Qwen/Qwen2.5-Math-7B"  # a hub id
+
+
+def test_a_model_or_adapter_folder_without_weights_is_named(tiny_model_path, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=rf"^{tmp_path} holds no weights \(no \*.safetensors"):
+        resolve_model_source(str(tmp_path))
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": tiny_model_path}))
+    with pytest.raises(FileNotFoundError, match=rf"^{adapter} holds no weights"):
+        resolve_model_source(str(adapter))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    assert resolve_model_source(str(adapter)).model_path == tiny_model_path

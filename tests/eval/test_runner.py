@@ -273,3 +273,48 @@ def test_samples_of_another_adapter_are_refused(tiny_model_path, bench_file, tmp
     with pytest.raises(ValueError, match="drawn from other weights: adapter/adapter_model.safetensors changed since"):
         evaluate(eval_config(str(tmp_path / "adapter"), bench_file, out))
     assert snapshot(out) == before
+
+
+@pytest.mark.parametrize(
+    "name, edit",
+    [
+        ("chat_template.jinja", lambda text: text.replace("<|im_start|>", "<|im_start|> ", 1)),
+        ("generation_config.json", lambda text: json.dumps({**json.loads(text), "eos_token_id": 0})),
+        ("tokenizer_config.json", lambda text: json.dumps({**json.loads(text), "model_max_length": 7})),
+    ],
+)
+def test_samples_drawn_with_other_model_files_are_refused(
+    name, edit, tiny_model_path, bench_file, tmp_path, eval_config, snapshot
+):
+    """Before: the fingerprint covered the weights only, and samples were reused after the chat template changed."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model)
+    out = tmp_path / "eval"
+    golds = {i: str(2 * i + 1) for i in range(NUM_PROBLEMS)}
+    evaluate(eval_config(str(model), bench_file, out), backend_factory=lambda source, cfg, tok: CannedBackend(golds))
+    before = snapshot(out)
+    path = model / name
+    path.write_text(edit(path.read_text()))
+    with pytest.raises(ValueError) as error:
+        evaluate(eval_config(str(model), bench_file, out), backend_factory=lambda *args: None)
+    assert str(error.value) == (
+        f"{out} holds 12 samples drawn from other model files: model/{name} changed since (e.g. the chat template or "
+        f"generation config of {model} was edited). Use another output_dir, or overwrite=True (--overwrite true) to "
+        "discard them and sample the current model files."
+    )
+    assert snapshot(out) == before
+
+
+def test_a_model_folder_without_weights_is_named(tiny_model_path, bench_file, tmp_path, eval_config, no_model_loading):
+    """Before: a traceback from loading a folder with config.json but no weights."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model)
+    os.remove(model / "model.safetensors")
+    with pytest.raises(FileNotFoundError) as error:
+        evaluate(eval_config(str(model), bench_file, tmp_path / "eval"))
+    assert str(error.value) == (
+        f"{model} holds no weights (no *.safetensors, pytorch_model*.bin or shard index): it is not a whole saved "
+        "model. Give a folder with its weights, e.g. a run's output_dir once training has finished, or one of its "
+        "checkpoint-<step> folders."
+    )
+    assert not (tmp_path / "eval").exists()

@@ -105,3 +105,29 @@ def test_local_benchmark_problems_are_fingerprinted(bench_file):
     problems = load_problems(bench)
     assert len({p.fingerprint for p in problems}) == len(problems) == 4
     assert Problem(0, "What is 0 + 1?", "1").fingerprint == problems[0].fingerprint
+
+
+def test_a_whole_last_line_without_its_newline_gets_it_back_before_the_next_append(tmp_path, caplog):
+    """Before: the next record was glued onto it (2 samples lost, then a hard error)."""
+    (tmp_path / "samples.jsonl").write_text(json.dumps(_record(0, 0, "a")))  # killed between the record and "\n"
+    with caplog.at_level("WARNING"):
+        store = SampleStore(str(tmp_path))
+    assert "Added the newline missing at the end of" in caplog.text
+    store.append([_record(0, 1, "b"), _record(0, 2, "c")])
+    reloaded = SampleStore(str(tmp_path))
+    assert [reloaded.get("aime24", 0, i)["completion"] for i in range(3)] == ["a", "b", "c"]
+
+
+def test_store_refuses_samples_of_other_model_files_or_unrecorded_ones(tmp_path):
+    from opefo_trl.eval.store import MODEL_FILES_KEY
+
+    store = SampleStore(str(tmp_path))
+    store.check_settings({"temperature": 1.0})  # an earlier version: no model files recorded
+    store.append([_record(0, 0)])
+    with pytest.raises(ValueError) as error:
+        SampleStore(str(tmp_path)).check_settings({"temperature": 1.0, MODEL_FILES_KEY: {"model/config.json": "x"}})
+    assert str(error.value) == (
+        f"{tmp_path} holds 1 samples drawn from model files (tokenizer, chat template, config, generation config) "
+        "this opefo-eval did not record (an earlier version wrote them). Use another output_dir, or overwrite=True "
+        "(--overwrite true) to discard them and sample the current model files."
+    )

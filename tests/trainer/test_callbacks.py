@@ -57,3 +57,39 @@ def test_a_resumed_run_drops_the_lines_after_its_checkpoint_once(tmp_path):
 def test_an_unknown_mode_is_refused():
     with pytest.raises(ValueError, match=r"mode must be one of \('main_process', 'every_process'\), got 'off'"):
         MetricsJsonlCallback("out", mode="off")
+
+
+def test_a_cut_off_last_line_is_dropped_with_a_warning_and_a_corrupt_one_before_it_refused(tmp_path, caplog):
+    """Before: a JSONDecodeError from the first step of a resumed run (what a kill mid-write leaves)."""
+    from opefo_trl.runs import MetricsFileError
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "lo')
+    with caplog.at_level("WARNING", logger="opefo_trl.trainer.callbacks"):
+        _log(MetricsJsonlCallback(str(tmp_path)), 2, loss=0.5)
+    assert f"{path}: dropped its last line, cut off" in caplog.text
+    assert _lines(path) == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}]
+    path.write_text('{"step": 1, "loss": 1.0}')  # whole, without its newline: the next line is not glued on
+    _log(MetricsJsonlCallback(str(tmp_path)), 2, loss=0.5)
+    assert _lines(path) == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}]
+    path.write_text('{"step": 1, "lo\n{"step": 2}\n')
+    with pytest.raises(MetricsFileError, match=r"metrics.jsonl, line 1, is not a metrics record"):
+        _log(MetricsJsonlCallback(str(tmp_path)), 2, loss=0.5)
+
+
+def test_the_run_folder_hears_of_each_checkpoint_before_and_after_it_is_saved(tmp_path):
+    from opefo_trl.runs import RunFolder, read_manifest
+    from opefo_trl.trainer.callbacks import RunFolderCallback
+
+    run = RunFolder(str(tmp_path / "run")).open()
+    callback = RunFolderCallback(run)
+    state, control = SimpleNamespace(global_step=3), SimpleNamespace(should_save=False)
+    callback.on_step_end(None, state, control)
+    assert read_manifest(run.output_dir) == []
+    control.should_save = True
+    callback.on_step_end(None, state, control)  # named before Trainer writes it
+    assert read_manifest(run.output_dir) == ["README.md", "checkpoint-3"]
+    (tmp_path / "run" / "checkpoint-3").mkdir()
+    callback.on_save(None, state, control)  # the manifest as the folder is
+    assert read_manifest(run.output_dir) == ["checkpoint-3"]
+    run.close(failed=False)

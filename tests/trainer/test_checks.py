@@ -1,8 +1,10 @@
 """opefo_trl.trainer.checks, alone and through OPEFOTrainer (the Python API): settings that would fail at the first
-step, reward functions that raise or return non-numbers or infinities, and GRPOTrainer's optional `reward_funcs`."""
+step, reward functions that raise or return non-numbers, infinities or NaN, and GRPOTrainer's optional
+`reward_funcs`."""
 
 import asyncio
 import os
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -24,6 +26,11 @@ def _settings(**overrides):
         ({"max_completion_length": 0}, "max_completion_length=0: completions need at least 1 token"),
         ({"temperature": 0.0}, "temperature=0.0: GRPO samples completions"),
         ({"loss_type": "dr_grpo", "max_completion_length": None}, "loss_type='dr_grpo' with max_completion_length="),
+        # Any number option that is not finite, found without a list of names.
+        ({"learning_rate": float("inf")}, "learning_rate=inf: must be a finite number .every number option is"),
+        ({"temperature": float("nan")}, "temperature=nan: must be a finite number"),
+        ({"beta": float("-inf")}, "beta=-inf: must be a finite number"),
+        ({"reward_weights": [1.0, float("nan")]}, r"reward_weights=\[1.0, nan\]: must be a finite number"),
     ],
 )
 def test_values_that_fail_at_the_first_step_are_refused(overrides, message):
@@ -42,6 +49,8 @@ def test_values_that_fail_at_the_first_step_are_refused(overrides, message):
         ("1 0 1", "returned '1 0 1' (a str); it must return a list of 3 numbers"),
         ([1.0, 0.0], "returned 2 rewards for 3 completions"),
         ([1.0, float("-inf"), float("inf")], "returned -inf for 2 of 3 completions (first: completion 1)"),
+        ([1.0, float("nan"), float("nan")], "returned nan for 2 of 3 completions (first: completion 1); a non-finite"),
+        ({"a": 1.0}, "returned {'a': 1.0} (a dict); it must return a list of 3 numbers"),
     ],
 )
 def test_bad_reward_outputs_are_described_with_the_first_bad_value(rewards, message):
@@ -49,12 +58,25 @@ def test_bad_reward_outputs_are_described_with_the_first_bad_value(rewards, mess
 
 
 def test_good_reward_outputs_pass():
-    for rewards in ([1, 0.5, None], (True, False, float("nan")), np.array([0.0, 1.0, 2.0]), torch.tensor([1.0, 0, 2])):
+    for rewards in ([1, 0.5, None], (True, False, None), np.array([0.0, 1.0, 2.0]), torch.tensor([1.0, 0, 2])):
         assert reward_problem("r", rewards, 3) is None
     assert reward_problem("r", [np.float32(1), np.int64(0), torch.tensor(0.5)], 3) is None
     check = RewardCheck(num_completions=3)
     (generator_reward,) = check.wrap([lambda completions, **kwargs: (1.0 for _ in completions)], ["generator"])
     assert generator_reward(completions="abc") == [1.0, 1.0, 1.0] and check.error is None  # read once, passed on
+
+
+def test_a_dict_or_nan_from_a_checked_function_is_reported_as_it_was_returned():
+    """Before: a dict was reported as "returned None", and NaN rewards trained (loss 0, grad-norm 0)."""
+    for returned, message in (
+        ({"accuracy": 1.0, "format": 0.0}, "returned {'accuracy': 1.0, 'format': 0.0} (a dict); it must return a list"),
+        (np.array([1.0, np.nan]), "returned nan for 1 of 2 completions (first: completion 1)"),
+    ):
+        check = RewardCheck(num_completions=2)
+        (wrapped,) = check.wrap([lambda completions, returned=returned, **kwargs: returned], ["scores"])
+        assert wrapped(completions=["x", "y"]) == [0.0, 0.0]
+        with pytest.raises(RewardFunctionError, match=re.escape(f"Reward function 'scores' {message}")):
+            check.raise_if_failed()
 
 
 def test_a_failing_function_is_named_and_later_ones_are_not_called():
@@ -130,12 +152,17 @@ def infinite_reward(completions, **kwargs):
     return [float("inf")] + [0.0] * (len(completions) - 1)
 
 
+def nan_reward(completions, **kwargs):
+    return [float("nan") if i % 2 else 1.0 for i in range(len(completions))]
+
+
 @pytest.mark.parametrize(
     "reward, message",
     [
         (string_reward, "Reward function 'string_reward' returned '1.0' (a str) for completion 0 of 4"),
         (raising_reward, "Reward function 'raising_reward' raised RuntimeError: grader unreachable at "),
         (infinite_reward, "Reward function 'infinite_reward' returned inf for 1 of 4 completions (first: completion"),
+        (nan_reward, "Reward function 'nan_reward' returned nan for 2 of 4 completions (first: completion 1)"),
     ],
 )
 def test_the_python_api_refuses_a_bad_reward_at_its_first_call(
