@@ -757,7 +757,7 @@ def blocking_reward(completions, **kwargs):
 KILLED_SAVE = """
 import os, signal, sys
 
-import opefo_trl.runs as runs
+import opefo_trl.runs.checkpoint as runs  # where saving_checkpoint looks it up
 
 original = runs.save_method_state
 
