@@ -1,4 +1,5 @@
-"""log pi_t and H_t of the sampled tokens, taken from the logits transformers' ``generate`` computes anyway.
+"""log pi_t and H_t of the sampled tokens (and the `full` estimate's vocabulary sums), taken from the logits
+transformers' ``generate`` computes anyway.
 
 A rollout batch of several micro-batches needs the policy's log pi_t and H_t of every token before the first
 backward; without TRL's own old-log-prob pass (strict on-policy, no vLLM), that would be a no-grad forward over the
@@ -27,18 +28,20 @@ CACHE_ARGUMENTS = ("cache", "past_key_values")
 
 
 class GenerationStats:
-    """Records, while the policy generates, log pi and H of each sampled token at ``temperature``."""
+    """Records, while the policy generates, log pi and H of each sampled token at ``temperature`` (with ``vocab``,
+    also sum_k pi_k^2 and sum_k pi_k^2 log pi_k, the `full` estimate's vocabulary sums)."""
 
-    def __init__(self, temperature: float):
-        self.temperature = temperature
+    def __init__(self, temperature: float, vocab: bool = False):
+        self.temperature, self.vocab = temperature, vocab
         self._logps: list[torch.Tensor] = []
         self._entropies: list[torch.Tensor] = []
+        self._sums: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._pending: torch.Tensor | None = None  # the last step's log-softmax, awaiting its sampled token
         self._in_step = False
 
     @contextmanager
     def recording(self, model: torch.nn.Module) -> Iterator[GenerationStats]:
-        self._logps, self._entropies, self._pending = [], [], None
+        self._logps, self._entropies, self._sums, self._pending = [], [], [], None
         handles = [
             model.register_forward_pre_hook(self._before, with_kwargs=True),
             model.register_forward_hook(self._after, with_kwargs=True),
@@ -64,8 +67,12 @@ class GenerationStats:
     def _pair(self, tokens: torch.Tensor) -> None:
         assert self._pending is not None
         logp = self._pending
+        probs = logp.exp()
         self._logps.append(logp.gather(-1, tokens[:, None].to(logp.device))[:, 0])
-        self._entropies.append(-(logp.exp() * logp).sum(-1))
+        self._entropies.append(-(probs * logp).sum(-1))
+        if self.vocab:
+            squares = probs.square()
+            self._sums.append((squares.sum(-1), (squares * logp).sum(-1)))
         self._pending = None
 
     def scores(self, completion_ids: torch.Tensor) -> Scores | None:
@@ -77,6 +84,10 @@ class GenerationStats:
             return None
         if self._pending is not None and len(self._logps) < length:
             self._pair(completion_ids[:, len(self._logps)])  # the last step's token: no further step read it
+        device = completion_ids.device
         logps, entropies = torch.stack(self._logps[:length], 1), torch.stack(self._entropies[:length], 1)
-        self._logps, self._entropies, self._pending = [], [], None
-        return Scores(logps.to(completion_ids.device), entropies.to(completion_ids.device))
+        vocab: list[torch.Tensor | None] = [None, None]
+        if self.vocab:
+            vocab = [torch.stack(sums, 1).to(device) for sums in zip(*self._sums[:length], strict=True)]
+        self._logps, self._entropies, self._sums, self._pending = [], [], [], None
+        return Scores(logps.to(device), entropies.to(device), *vocab)

@@ -44,6 +44,7 @@ check_trl_version()
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.trainer.utils import get_config_model_id  # noqa: E402
 
+from opefo_trl.maths.entropy_flow import TABULAR_ESTIMATES  # noqa: E402
 from opefo_trl.methods import TokenMethod, get_token_method_class  # noqa: E402
 from opefo_trl.runs import load_method_state, resume_checkpoint, saving_checkpoint  # noqa: E402
 from opefo_trl.trainer import model_setup  # noqa: E402
@@ -142,7 +143,7 @@ class OPEFOTrainer(GRPOTrainer):
             args, use_vllm=self.use_vllm, importance_sampling_correction=self.vllm_importance_sampling_correction
         )
         # Without TRL's pass, a rollout of several micro-batches takes log pi and H from generation's logits.
-        reads_generation = not (trl_scores or self.use_vllm) and estimate in ("opefo", "onaction", "sign")
+        reads_generation = not (trl_scores or self.use_vllm) and estimate in TABULAR_ESTIMATES
         reads_generation = reads_generation and self.loss_mirror.steps_per_generation > 1
         self.rollout = (
             RolloutWeigher(
@@ -157,7 +158,7 @@ class OPEFOTrainer(GRPOTrainer):
                 trl_scores_rollout=trl_scores,
                 writes_gradient=self.loss_mirror.gradient_is_linear
                 and type(self.token_method).micro_batch_terms is TokenMethod.micro_batch_terms,
-                generation=GenerationStats(self.temperature) if reads_generation else None,
+                generation=GenerationStats(self.temperature, estimate == "full") if reads_generation else None,
             )
             if rollout_flow
             else None

@@ -62,3 +62,25 @@ def test_the_statistics_read_from_generation_are_the_scoring_passs(
         mask = batch["completion_mask"].bool()
         torch.testing.assert_close(rows.logps[mask], scored.logps[mask], rtol=0, atol=1e-5)
         torch.testing.assert_close(rows.entropies[mask], scored.entropies[mask], rtol=0, atol=1e-5)
+
+
+def test_the_full_estimates_vocabulary_sums_read_from_generation_are_the_scoring_passs(
+    tiny_model_path, tiny_dataset, length_reward, tmp_path
+):
+    """sum pi^2 and sum pi^2 log pi from generation's logits against the scoring pass's vocabulary pass, token by
+    token (float32 rounding of two forwards)."""
+    args = make_config(tmp_path, entropy_flow_estimate="full", **ACCUMULATION)
+    trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
+    assert trainer.rollout.generation is not None and trainer.rollout.generation.vocab
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2
+    captured = []
+    spy(trainer.rollout, "weigh", lambda weigh, batches, scores=None: captured.append((batches, scores)))
+    trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    ((batches, scores),) = captured
+    for batch in batches:
+        rows = scores.rows(batch[ROLLOUT_ROW_KEY])
+        scored = trainer.scorer.score(batch, vocab=True)
+        mask = batch["completion_mask"].bool()
+        for ours, theirs in zip(rows.vocab, scored.vocab, strict=True):
+            torch.testing.assert_close(ours[mask], theirs[mask], rtol=1e-4, atol=1e-6)
