@@ -1,0 +1,392 @@
+"""Checkpoints that are whole or not checkpoints at all.
+
+:func:`saving_checkpoint` (around ``Trainer._save_checkpoint``) writes the Trainer's files, then the token method's
+state (``opefo_method_state.json``), then a completion marker (``opefo_checkpoint_complete.json``, the size of every
+file), last and atomically; a save that fails removes the folder. :func:`check_checkpoint` reads, without loading a
+tensor, every file ``Trainer`` will load (safetensors headers through ``safetensors.safe_open``, the zip directories
+of ``torch.save`` files, the JSON states, the sizes the marker recorded) and names the first problem (a missing marker:
+the save did not finish) with the previous whole checkpoint; :func:`resume_checkpoint` is what
+``resume_from_checkpoint`` resumes from (``True``: the last *whole* checkpoint).
+
+Example:
+    >>> from opefo_trl.runs import resume_checkpoint
+    >>> resume_checkpoint(True, "runs/opefo-7b", method="opefo")  # doctest: +SKIP
+    'runs/opefo-7b/checkpoint-100'
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import shutil
+import zipfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
+
+from opefo_trl.runs.files import (
+    CHECKPOINT_MARKER,
+    CHECKPOINT_RE,
+    LOW_SPACE,
+    METHOD_STATE_NAME,
+    TORCH_SAVE_RE,
+    TRAINER_STATE_NAME,
+    WEIGHTS_RE,
+    CheckpointError,
+    CheckpointSaveError,
+    free_bytes,
+    remove_entry,
+    write_json_atomically,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """``(step, path)`` of every ``checkpoint-<step>`` folder of ``output_dir``, by step, whole or not."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        match = CHECKPOINT_RE.match(name)
+        if match and os.path.isdir(os.path.join(output_dir, name)):
+            found.append((int(match.group(1)), os.path.join(output_dir, name)))
+    return sorted(found)
+
+
+def _saved_sizes(checkpoint: str) -> dict[str, int]:
+    sizes = {}
+    for root, _, files in os.walk(checkpoint):
+        for name in files:
+            path = os.path.join(root, name)
+            sizes[os.path.relpath(path, checkpoint)] = os.path.getsize(path)
+    sizes.pop(CHECKPOINT_MARKER, None)
+    return dict(sorted(sizes.items()))
+
+
+def mark_checkpoint_complete(checkpoint: str) -> None:
+    """Write the completion marker of ``checkpoint``, last: every file flushed to disk, then the marker (with each
+    file's size) moved into place whole."""
+    sizes = _saved_sizes(checkpoint)
+    for name in sizes:
+        with open(os.path.join(checkpoint, name), "rb") as f:
+            os.fsync(f.fileno())
+    match = CHECKPOINT_RE.match(os.path.basename(os.path.normpath(checkpoint)))
+    write_json_atomically(
+        os.path.join(checkpoint, CHECKPOINT_MARKER),
+        {"step": int(match.group(1)) if match else None, "files": sizes},
+    )
+
+
+def _marker(checkpoint: str) -> tuple[dict[str, int], str | None]:
+    """The file sizes the marker recorded, and why the marker does not make the checkpoint whole (None: it does)."""
+    path = os.path.join(checkpoint, CHECKPOINT_MARKER)
+    if not os.path.isfile(path):
+        return {}, (
+            "is missing: the save of this checkpoint did not finish (opefo-train writes it last, once every other "
+            "file is saved)"
+        )
+    try:
+        with open(path) as f:
+            content = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        return {}, f"is not valid JSON ({err})"
+    files = content.get("files") if isinstance(content, dict) else None
+    if not isinstance(files, dict):
+        return {}, "does not list the checkpoint's files"
+    return files, None
+
+
+def _safetensors_problem(path: str) -> str | None:
+    """Why safetensors cannot read the file whole (it checks the header and that the data covers the file)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="numpy") as f:  # the header only: no tensor is read
+            f.keys()
+    except SafetensorError as err:
+        return f"cannot be read by safetensors (cut short or damaged: {err})"
+    return None
+
+
+def _file_problem(path: str, method_state_name: str, saved_size: int | None) -> str | None:
+    """Why a checkpoint file cannot be loaded, read without loading any tensor; None if it looks whole."""
+    name = os.path.basename(path)
+    size = os.path.getsize(path)
+    known = name.endswith((".safetensors", ".json")) or TORCH_SAVE_RE.search(name)
+    if known and size == 0 and saved_size != 0:
+        return "is empty"
+    if saved_size is not None and size != saved_size:
+        if size < saved_size:
+            return f"is cut short: it has {size} bytes where its save wrote {saved_size}"
+        return f"has changed since it was saved: it has {size} bytes where its save wrote {saved_size}"
+    if name.endswith(".safetensors"):
+        return _safetensors_problem(path)
+    if name.endswith(".json"):
+        try:
+            with open(path) as f:
+                content = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            return f"is not valid JSON ({err})"
+        if name == TRAINER_STATE_NAME and not (isinstance(content, dict) and "global_step" in content):
+            return "has no global_step"
+        if name == method_state_name and not (isinstance(content, dict) and {"method", "state"} <= content.keys()):
+            return "lacks the method or its state"
+        return None
+    if TORCH_SAVE_RE.search(name):
+        try:
+            with zipfile.ZipFile(path):  # reads the central directory at the end: gone when the file is cut short
+                pass
+        except zipfile.BadZipFile:
+            return "is not a whole torch.save archive (cut short?)"
+    return None
+
+
+def _first_problem(checkpoint: str) -> tuple[str, str] | None:
+    """``(file, reason)`` of the first reason ``checkpoint`` cannot be resumed from, else None: a damaged file, then
+    a missing completion marker, then a file the marker lists that is gone, the trainer state, the weights."""
+    sizes, marker_problem = _marker(checkpoint)
+    for root, _, files in sorted(os.walk(checkpoint)):
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            relative = os.path.relpath(path, checkpoint)
+            if relative == CHECKPOINT_MARKER or name.startswith("."):
+                continue
+            reason = _file_problem(path, METHOD_STATE_NAME, sizes.get(relative))
+            if reason is not None:
+                return path, reason
+    if marker_problem is not None:
+        return os.path.join(checkpoint, CHECKPOINT_MARKER), marker_problem
+    for relative in sizes:
+        if not os.path.isfile(os.path.join(checkpoint, relative)):
+            return os.path.join(checkpoint, relative), "is missing (the checkpoint was saved with it)"
+    names = os.listdir(checkpoint)
+    if TRAINER_STATE_NAME not in names:
+        return os.path.join(checkpoint, TRAINER_STATE_NAME), "is missing (without it training would restart at step 0)"
+    if not any(WEIGHTS_RE.match(n) for n in names) and not any(
+        os.path.isdir(os.path.join(checkpoint, n)) for n in names
+    ):  # a sub-folder: DeepSpeed's global_step<N> or an FSDP shard folder
+        return checkpoint, "holds no model weights (model.safetensors, adapter_model.safetensors, ...)"
+    return None
+
+
+def previous_whole_checkpoint(checkpoint: str) -> str | None:
+    """The latest checkpoint before ``checkpoint`` in the same folder that :func:`check_checkpoint` accepts."""
+    match = CHECKPOINT_RE.match(os.path.basename(os.path.normpath(checkpoint)))
+    if match is None:
+        return None
+    step = int(match.group(1))
+    for earlier_step, path in reversed(checkpoints(os.path.dirname(os.path.normpath(checkpoint)))):
+        if earlier_step < step and _first_problem(path) is None:
+            return path
+    return None
+
+
+def _fix(checkpoint: str) -> str:
+    previous = previous_whole_checkpoint(checkpoint)
+    if previous:
+        return f"Resume from the previous checkpoint with --resume_from_checkpoint {previous}"
+    return "No earlier whole checkpoint is left next to it: start afresh without resume_from_checkpoint"
+
+
+def method_is_stateful(method: str) -> bool:
+    """Whether the token method ``method`` has state that a checkpoint must hold (it overrides ``state_dict``)."""
+    from opefo_trl.methods import TokenMethod, get_token_method_class
+
+    try:
+        cls = get_token_method_class(method)
+    except ValueError:  # an unregistered method: the config refuses it
+        return False
+    return cls.state_dict is not TokenMethod.state_dict
+
+
+def check_checkpoint(checkpoint: str, method: str | None = None) -> None:
+    """Refuse a checkpoint that ``Trainer`` could not resume from, before any weights load.
+
+    A checkpoint without its completion marker is incomplete (its save did not finish). Every file is read as far
+    as needed to know it is whole (its size against the marker's, safetensors headers, the central directory of
+    ``torch.save`` zips, the JSON states), never loaded. With ``method``, a checkpoint saved by another token method
+    (``opefo_method_state.json``), or without the state of a method that has one (PAR's coefficient), is refused too.
+
+    Raises:
+        CheckpointError: naming the file, what is wrong with it, and the previous checkpoint that is whole.
+    """
+    problem = _first_problem(checkpoint)
+    if problem is not None:
+        path, reason = problem
+        raise CheckpointError(f"Cannot resume from {checkpoint}: {path} {reason}. {_fix(checkpoint)}.")
+    state_path = os.path.join(checkpoint, METHOD_STATE_NAME)
+    if method is None:
+        return
+    if not os.path.isfile(state_path):
+        if method_is_stateful(method):
+            raise CheckpointError(
+                f"Cannot resume from {checkpoint}: it has no {METHOD_STATE_NAME}, which holds the state of "
+                f"method={method!r}; resuming would restart that state from its initial value. {_fix(checkpoint)}, or "
+                f"start from its weights without resume_from_checkpoint (--model_name_or_path {checkpoint})."
+            )
+        return
+    with open(state_path) as f:
+        saved = json.load(f)["method"]
+    if saved != method:
+        raise CheckpointError(
+            f"Checkpoint {checkpoint} was trained with method={saved!r}, but this run uses method={method!r}. "
+            f"Resume with --method {saved}, or start from its weights without resume_from_checkpoint "
+            f"(--model_name_or_path {checkpoint})."
+        )
+
+
+def resume_checkpoint(
+    resume: str | bool | None, output_dir: str, method: str | None = None, warn: bool = True
+) -> str | None:
+    """The checkpoint that ``resume_from_checkpoint=resume`` resumes from, checked (:func:`check_checkpoint`).
+
+    ``True`` is the last *whole* checkpoint of ``output_dir`` (``transformers``' ``get_last_checkpoint`` when it is
+    whole, else the one before it that is; ``warn`` logs why the later ones are skipped); None / False: none.
+
+    Raises:
+        CheckpointError: no checkpoint, none whole, or the one named cannot be resumed from.
+    """
+    if resume is None or resume is False:
+        return None
+    if resume is True:
+        last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        if last is None:
+            raise CheckpointError(
+                f"resume_from_checkpoint=true but output_dir {output_dir!r} has no checkpoint-<step> folder. Give the "
+                "checkpoint's path, or drop resume_from_checkpoint to start afresh."
+            )
+        problem = _first_problem(last)
+        if problem is not None:
+            chosen = previous_whole_checkpoint(last)
+            if chosen is None:
+                raise CheckpointError(
+                    f"resume_from_checkpoint=true but no checkpoint of {output_dir!r} is whole: the last, {last}, "
+                    f"cannot be resumed from ({problem[0]} {problem[1]}), and none before it can. Start afresh "
+                    "without resume_from_checkpoint."
+                )
+            if warn:
+                chosen_step = int(CHECKPOINT_RE.match(os.path.basename(chosen)).group(1))  # type: ignore[union-attr]
+                for step, path in checkpoints(output_dir):
+                    skipped = _first_problem(path) if step > chosen_step else None
+                    if skipped is not None:
+                        logger.warning("Skipping %s: %s %s. Resuming from %s.", path, *skipped, chosen)
+            last = chosen
+        resume = last
+    elif not os.path.isdir(resume):
+        raise CheckpointError(
+            f"resume_from_checkpoint {resume!r} is not a directory. Give a checkpoint-<step> folder, or `true` for "
+            f"the last whole checkpoint in output_dir ({output_dir!r})."
+        )
+    check_checkpoint(resume, method)
+    return resume
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Saving: whole or removed
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def reported_write_errors(folder: str, what: str, writer: bool = True) -> Iterator[None]:
+    """Around writing ``folder`` (a checkpoint, the final model): if it fails, the folder is removed (``writer``:
+    the process that writes it), and a failed write (any ``OSError``, or another error while the disk is full, as
+    torch and safetensors report it) is raised as one-line :class:`CheckpointSaveError` naming the folder."""
+    try:
+        yield
+    except Exception as err:
+        free = free_bytes(folder)
+        if writer:
+            shutil.rmtree(folder, ignore_errors=True)  # if even that fails, the folder has no marker: never resumed
+        disk_full = (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) or (
+            free is not None and free < LOW_SPACE
+        )
+        if not (isinstance(err, OSError) or disk_full):
+            raise
+        lines = str(err).strip().splitlines()
+        cause = f"{type(err).__name__}: {lines[0] if lines else ''}"
+        if disk_full and not isinstance(err, OSError):
+            cause = f"the disk is full ({free} bytes free; {cause})"
+        gone = "was removed" if not os.path.exists(folder) else "has no completion marker, so it is never resumed"
+        raise CheckpointSaveError(
+            f"Cannot save the {what} {folder}: {cause}. The unfinished {what} {gone}. Free space on that disk (or make "
+            "the folder writable), then resume from the last whole checkpoint with --resume_from_checkpoint true."
+        ) from err
+
+
+@contextmanager
+def saving_checkpoint(
+    run_dir: str,
+    args: Any,
+    state: Any,
+    method_state: Callable[[], tuple[str, dict]],
+    wait_for_everyone: Callable[[], None],
+) -> Iterator[None]:
+    """Around ``Trainer._save_checkpoint`` (its `TrainingArguments` and `TrainerState`): the checkpoint
+    ``<run_dir>/checkpoint-<global_step>`` ends up whole, or removed.
+
+    Before the Trainer's files: a folder of the same step (a save that did not finish, or a step replayed after an
+    earlier resume) is removed, and the rotation of old checkpoints (``save_total_limit``) is held back, so that no
+    whole checkpoint is deleted before the new one is. After them (every process done): the token method's state
+    (``method_state()``: its name and ``state_dict()``), the completion marker, then the rotation. A failed save is
+    handled by :func:`reported_write_errors`.
+    """
+    folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+    writer, limit = args.should_save, args.save_total_limit
+    if writer and os.path.lexists(folder):
+        remove_entry(folder)
+    wait_for_everyone()  # removed before any process writes into it
+    args.save_total_limit = None
+    try:
+        with reported_write_errors(folder, "checkpoint", writer):
+            yield
+            wait_for_everyone()
+            if writer:
+                save_method_state(folder, *method_state())
+                mark_checkpoint_complete(folder)
+    finally:
+        args.save_total_limit = limit
+    if writer:
+        rotate_checkpoints(run_dir, limit, best_model_checkpoint=state.best_model_checkpoint, use_mtime=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The token method's state in a checkpoint
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def save_method_state(checkpoint: str, method: str, state: dict) -> None:
+    """Write the token method's name and state (``TokenMethod.state_dict()``) into a checkpoint folder."""
+    write_json_atomically(os.path.join(checkpoint, METHOD_STATE_NAME), {"method": method, "state": state})
+
+
+def load_method_state(checkpoint: str, method: str) -> dict | None:
+    """The state a checkpoint holds for ``method`` (None when it holds none); a checkpoint of another method, or one
+    without the state of a method that has one, is refused."""
+    path = os.path.join(checkpoint, METHOD_STATE_NAME)
+    if not os.path.exists(path):
+        if method_is_stateful(method):
+            check_checkpoint(checkpoint, method)  # raises, naming what is missing and the fix
+        return None
+    with open(path) as f:
+        saved = json.load(f)
+    if saved["method"] != method:
+        raise CheckpointError(
+            f"Checkpoint {checkpoint} was trained with method={saved['method']!r}, but this run uses "
+            f"method={method!r}. Resume with the same method, or start from the weights without "
+            "resume_from_checkpoint."
+        )
+    return saved["state"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------

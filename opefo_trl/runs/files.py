@@ -1,0 +1,101 @@
+"""The names, errors and file helpers that the run folder, its checkpoints and its metrics files share."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Any
+
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+#: The metrics files of `opefo-train` (`metrics_jsonl`): one for the main process, or one per process.
+METRICS_FILE = "metrics.jsonl"
+METRICS_FILE_PER_RANK = "metrics.rank{rank}.jsonl"
+TRAINER_STATE_NAME = "trainer_state.json"
+#: The token method's state in a checkpoint (`OPEFOTrainer`), e.g. PAR's coefficient.
+METHOD_STATE_NAME = "opefo_method_state.json"
+#: Written last into a checkpoint, once every other file is on disk: ``{"step": N, "files": {path: size}}``.
+CHECKPOINT_MARKER = "opefo_checkpoint_complete.json"
+#: The top-level entries of an output_dir that runs of `opefo-train` wrote there: ``{"entries": [name, ...]}``.
+MANIFEST_NAME = "opefo_run_manifest.json"
+LOCK_NAME = ".opefo_run.lock"
+#: Where an overwrite keeps the earlier run's entries until the new run has saved something.
+SET_ASIDE_DIR = ".opefo_overwritten"
+#: Where `opefo-train` saves the final model before moving its files into output_dir (named in the manifest first).
+FINAL_MODEL_STAGING = ".opefo_final_model"
+CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+METRICS_RE = re.compile(r"^metrics(\.rank\d+)?\.jsonl$")
+#: Weight files `Trainer.save_model` writes (full model, shards and their index, a PEFT adapter).
+WEIGHTS_RE = re.compile(r"^(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
+#: What `Trainer` writes with `torch.save` into a checkpoint (zip archives since torch 1.6).
+TORCH_SAVE_RE = re.compile(r"\.(pt|pth|bin)$")
+#: Free space under which a failed write is taken for a full disk (torch and safetensors raise errors of their own).
+LOW_SPACE = 64 << 20
+
+
+class RunFolderError(ValueError):
+    """An output_dir that this run cannot use as asked (the message says why and what to do)."""
+
+
+class CheckpointError(RunFolderError):
+    """A checkpoint that cannot be resumed from: incomplete, damaged, or of another method (the message names the
+    file and the previous whole checkpoint)."""
+
+
+class RunFolderBusy(RunFolderError):
+    """Another process holds the run folder's lock (the message names its pid and host)."""
+
+
+class MetricsFileError(RunFolderError):
+    """A metrics file with a corrupt line before its last (the message names the line)."""
+
+
+class CheckpointSaveError(Exception):
+    """Writing a checkpoint or the final model failed (a full disk, a read-only folder); nothing partial is left to be
+    resumed from."""
+
+
+def fsync_dir(folder: str) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # a platform without directory descriptors
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json_atomically(path: str, content: Any) -> None:
+    """``content`` as JSON at ``path``, whole or not at all: a flushed temporary file moved over it."""
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(content, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(folder)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def remove_entry(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def free_bytes(path: str) -> int | None:
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path or ".").free
+    except OSError:
+        return None

@@ -1,0 +1,423 @@
+"""The run folder of ``opefo-train`` (:class:`RunFolder`, held while it trains): what the run owns, one run at a time,
+and an overwrite that cannot destroy what it does not own.
+
+- an OS lock (:class:`RunLock`: ``fcntl.flock`` on ``<output_dir>/.opefo_run.lock``) held for the run's lifetime, so a
+  second run into the folder is refused at once with the holder's pid and host. The kernel releases the lock of a
+  process that dies, so the lock file a killed run leaves blocks nobody;
+- a manifest (``opefo_run_manifest.json``) of the top-level entries the run writes, each recorded before it is
+  written. :func:`run_files` is what it lists, and :func:`foreign_entries` what no run of ours wrote;
+- the overwrite: the earlier run's entries (those its manifest lists, and nothing else) are set aside in
+  ``.opefo_overwritten/``, deleted only once the new run has saved its first checkpoint or its final model, and moved
+  back if it fails before that (after a kill, by the next run into the folder: :func:`recover_interrupted_run`).
+
+Example:
+    >>> from opefo_trl.runs import run_files
+    >>> run_files("runs/opefo-7b")  # doctest: +SKIP
+    ['checkpoint-50', 'checkpoint-100', 'metrics.jsonl', 'model.safetensors']
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable, Iterable
+
+from opefo_trl.runs.files import (
+    CHECKPOINT_RE,
+    FINAL_MODEL_STAGING,
+    LOCK_NAME,
+    MANIFEST_NAME,
+    SET_ASIDE_DIR,
+    RunFolderBusy,
+    RunFolderError,
+    fsync_dir,
+    remove_entry,
+    write_json_atomically,
+)
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock, so runs are not locked there
+    fcntl = None  # type: ignore[assignment]
+
+logger = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The manifest: what runs of opefo-train wrote into an output_dir
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def read_manifest(output_dir: str) -> list[str] | None:
+    """The entries the manifest of ``output_dir`` lists (None when it has none)."""
+    path = os.path.join(output_dir, MANIFEST_NAME)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            content = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise RunFolderError(
+            f"{path} is not valid JSON ({err}): opefo-train cannot tell which files of {output_dir} its earlier run "
+            "wrote. Restore that file, or give another --output_dir."
+        ) from None
+    entries = content.get("entries") if isinstance(content, dict) else None
+    if not (isinstance(entries, list) and all(isinstance(e, str) for e in entries)):
+        raise RunFolderError(f"{path} lists no entries; restore that file, or give another --output_dir.")
+    return entries
+
+
+def write_manifest(output_dir: str, entries: Iterable[str]) -> None:
+    """Replace the manifest of ``output_dir`` by ``entries`` (written atomically)."""
+    write_json_atomically(
+        os.path.join(output_dir, MANIFEST_NAME), {"written_by": "opefo-train", "entries": sorted(set(entries))}
+    )
+
+
+def record_in_manifest(output_dir: str, names: Iterable[str]) -> None:
+    """Add ``names`` (top-level entries of ``output_dir``) to its manifest, creating it."""
+    os.makedirs(output_dir, exist_ok=True)
+    write_manifest(output_dir, [*(read_manifest(output_dir) or []), *names])
+
+
+def _by_kind(name: str) -> tuple:
+    match = CHECKPOINT_RE.match(name)
+    return (0, int(match.group(1)), "") if match else (1, 0, name)
+
+
+def run_files(output_dir: str) -> list[str]:
+    """The entries of ``output_dir`` that its manifest lists and that exist: checkpoints by step, then the rest."""
+    if not os.path.isdir(output_dir):
+        return []
+    entries = read_manifest(output_dir) or []
+    return sorted((n for n in set(entries) if os.path.lexists(os.path.join(output_dir, n))), key=_by_kind)
+
+
+def _is_eval_store(path: str) -> bool:
+    from opefo_trl.eval.store import RUN_CONFIG_FILE, SAMPLES_FILE
+
+    return any(os.path.isfile(os.path.join(path, name)) for name in (SAMPLES_FILE, RUN_CONFIG_FILE))
+
+
+def foreign_entries(output_dir: str) -> list[str]:
+    """Top-level entries of ``output_dir`` that no run of ours wrote: not in its manifest, not hidden (``.name``),
+    and not an ``opefo-eval`` output folder (``samples.jsonl`` / ``run_config.json``), which runs of ``opefo-train``
+    never touch."""
+    if not os.path.isdir(output_dir):
+        return []
+    listed = set(read_manifest(output_dir) or []) | {MANIFEST_NAME}
+    foreign = []
+    for name in sorted(os.listdir(output_dir), key=_by_kind):
+        path = os.path.join(output_dir, name)
+        if name in listed or name.startswith("."):
+            continue
+        if os.path.isdir(path) and not CHECKPOINT_RE.match(name) and _is_eval_store(path):
+            continue
+        foreign.append(name)
+    return foreign
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# One run per folder: the lock
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _read_holder(fd: int) -> dict | None:
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0) or b"null")
+    except (OSError, ValueError):
+        return None
+    return holder if isinstance(holder, dict) else None
+
+
+def busy_message(output_dir: str, holder: dict | None) -> str:
+    """What a run refused by the lock of ``output_dir`` is told."""
+    lock = os.path.join(output_dir, LOCK_NAME)
+    who = (
+        f"pid {holder.get('pid')} on host {holder.get('host')} (since {holder.get('since')})"
+        if holder
+        else "a process that has just taken it"
+    )
+    return (
+        f"output_dir {output_dir!r} is in use by another run: {who} holds its lock {lock}. Two runs in one folder "
+        "would mix their checkpoints and metrics: wait for that run to end (or stop it), or give another --output_dir."
+    )
+
+
+def lock_holder(output_dir: str) -> dict | None:
+    """Who holds the lock of ``output_dir`` (``{"pid", "host", "since"}``, ``{}`` if unreadable), None if nobody
+    does: a lock file left by a process that died holds no lock."""
+    path = os.path.join(output_dir, LOCK_NAME)
+    if fcntl is None or not os.path.exists(path):
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _read_holder(fd) or {}
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+class RunLock:
+    """An exclusive ``fcntl.flock`` on ``<output_dir>/.opefo_run.lock``, from :meth:`acquire` to :meth:`release`
+    (or as a context manager). The lock file holds the holder's pid, host and start time for the message a second
+    run gets; it is removed on release.
+
+    Example:
+        >>> with RunLock("runs/opefo"):  # doctest: +SKIP
+        ...     ...  # a second RunLock("runs/opefo").acquire(), in any process, raises RunFolderBusy
+    """
+
+    def __init__(self, output_dir: str):
+        self.output_dir = output_dir
+        self.path = os.path.join(output_dir, LOCK_NAME)
+        self._fd: int | None = None
+
+    def acquire(self, attempts: int = 5) -> RunLock:
+        """Take the lock now, or raise :class:`RunFolderBusy` (after ``attempts`` tries 50 ms apart, so that a
+        :func:`lock_holder` probe does not refuse a run)."""
+        if fcntl is None:
+            return self
+        holder = None
+        for _ in range(attempts):
+            fd = self._open()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                time.sleep(0.05)
+                continue
+            try:  # its last holder may have removed the file between our open and our lock: then lock the new one
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if not same:
+                os.close(fd)
+                continue
+            mine = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(mine).encode(), 0)
+            self._fd = fd
+            return self
+        raise RunFolderBusy(busy_message(self.output_dir, holder))
+
+    def _open(self) -> int:
+        try:
+            os.makedirs(self.output_dir, exist_ok=True)
+            return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise RunFolderError(
+                f"Cannot write into output_dir {self.output_dir!r} ({err}); give a folder this user can write to."
+            ) from None
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.remove(self.path)  # still locked: a process that opened it meanwhile sees it is gone and retries
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)  # releases the lock
+        self._fd = None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Overwrite: set aside, then delete once the new run has saved something, or move back
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _set_aside(output_dir: str) -> list[str]:
+    """Move the entries the manifest lists, and the manifest, into ``SET_ASIDE_DIR``; returns their names.
+
+    The manifest goes first: whatever a kill interrupts, the folder set aside holds the manifest of everything
+    that is not back in place yet, and the manifest in output_dir (if any) is the new run's. A manifest none of whose
+    entries exists any more is only removed.
+    """
+    entries = run_files(output_dir)
+    if not entries:
+        remove_entry(os.path.join(output_dir, MANIFEST_NAME))
+        return []
+    aside = os.path.join(output_dir, SET_ASIDE_DIR)
+    os.mkdir(aside)
+    os.replace(os.path.join(output_dir, MANIFEST_NAME), os.path.join(aside, MANIFEST_NAME))
+    for name in entries:
+        os.replace(os.path.join(output_dir, name), os.path.join(aside, name))
+    fsync_dir(output_dir)
+    return entries
+
+
+def _restore(output_dir: str) -> list[str]:
+    """Undo :func:`_set_aside`: remove what the new run wrote (its manifest's entries), move the earlier run back."""
+    aside = os.path.join(output_dir, SET_ASIDE_DIR)
+    names = sorted(os.listdir(aside))
+    if MANIFEST_NAME in names:  # else nothing was moved yet, and output_dir's manifest is still the earlier run's
+        for name in read_manifest(output_dir) or []:
+            remove_entry(os.path.join(output_dir, name))
+        remove_entry(os.path.join(output_dir, MANIFEST_NAME))
+    for name in names:
+        os.replace(os.path.join(aside, name), os.path.join(output_dir, name))
+    os.rmdir(aside)
+    fsync_dir(output_dir)
+    return [n for n in names if n != MANIFEST_NAME]
+
+
+def _discard_set_aside(output_dir: str) -> None:
+    """Delete the entries set aside: renamed first, so that a kill during the deletion leaves nothing to restore."""
+    aside, discarded = os.path.join(output_dir, SET_ASIDE_DIR), os.path.join(output_dir, SET_ASIDE_DIR + ".discard")
+    if os.path.isdir(aside):
+        os.replace(aside, discarded)
+    shutil.rmtree(discarded, ignore_errors=True)
+
+
+def interrupted_run(output_dir: str) -> bool:
+    """Whether a run into ``output_dir`` was killed in the middle of an overwrite or of moving its final model."""
+    return any(
+        os.path.lexists(os.path.join(output_dir, name))
+        for name in (SET_ASIDE_DIR, SET_ASIDE_DIR + ".discard", FINAL_MODEL_STAGING)
+    )
+
+
+def recover_interrupted_run(output_dir: str) -> list[str]:
+    """Finish or undo what a killed run left half done (call it holding the lock); returns the names moved back.
+
+    The earlier run that an overwrite set aside before saving anything is moved back (the killed run's own entries
+    removed); a deletion of the entries set aside is finished; a final model not moved into place yet is removed.
+    """
+    if os.path.isdir(os.path.join(output_dir, SET_ASIDE_DIR + ".discard")):
+        _discard_set_aside(output_dir)
+    shutil.rmtree(os.path.join(output_dir, FINAL_MODEL_STAGING), ignore_errors=True)
+    if not os.path.isdir(os.path.join(output_dir, SET_ASIDE_DIR)):
+        return []
+    return _restore(output_dir)
+
+
+class RunFolder:
+    """The output_dir of one run while it runs: its lock, its manifest, and an overwrite that deletes nothing before
+    the new run has saved a checkpoint or its final model.
+
+    Call :meth:`open` first, :meth:`declare` before writing a top-level entry, :meth:`saved` after each checkpoint
+    (and :meth:`publish_final_model` for the final model), and :meth:`close` last, saying whether the run failed.
+
+    Example:
+        >>> run = RunFolder("runs/opefo", overwrite=True, declared=["metrics.jsonl"])  # doctest: +SKIP
+        >>> run.open()  # locked; the earlier run is set aside  # doctest: +SKIP
+        >>> ...; run.saved()  # the first checkpoint is whole: the earlier run is deleted  # doctest: +SKIP
+        >>> run.close(failed=False)  # doctest: +SKIP
+    """
+
+    def __init__(self, output_dir: str, *, overwrite: bool = False, declared: Iterable[str] = ()):
+        self.output_dir = output_dir
+        self.overwrite = overwrite
+        self.declared = list(declared)
+        self.lock = RunLock(output_dir)
+        self.set_aside: list[str] = []
+        self.restored: list[str] = []
+        self._created = False
+        self._not_ours: set[str] = set()
+
+    def open(self, check: Callable[[], None] | None = None) -> RunFolder:
+        """Lock the folder; undo what a killed run left half done; ``check`` it (e.g. validate it again, now that
+        nothing else can change it); set the earlier run aside when overwriting; start or extend the manifest."""
+        self._created = not os.path.isdir(self.output_dir)
+        self.lock.acquire()
+        try:
+            self.restored = recover_interrupted_run(self.output_dir)
+            if check is not None:
+                check()
+            if self.overwrite and read_manifest(self.output_dir) is not None:
+                self.set_aside = _set_aside(self.output_dir)
+            ours = set(read_manifest(self.output_dir) or []) | {MANIFEST_NAME}
+            self._not_ours = set(os.listdir(self.output_dir)) - ours  # eval folders, hidden files: never touched
+            record_in_manifest(self.output_dir, self.declared)
+        except BaseException:
+            self.close(failed=True)
+            raise
+        return self
+
+    def declare(self, names: Iterable[str]) -> None:
+        """Record ``names`` in the manifest before they are written."""
+        record_in_manifest(self.output_dir, names)
+
+    def _refresh(self) -> None:
+        """The manifest as the folder is: what exists of it, what is declared, and whatever else the run wrote."""
+        present = {n for n in os.listdir(self.output_dir) if not n.startswith(".")} - self._not_ours
+        write_manifest(self.output_dir, (present - {MANIFEST_NAME}) | set(self.declared))
+
+    def saved(self) -> None:
+        """A checkpoint or the final model is whole: the earlier run set aside is deleted now."""
+        self._refresh()
+        if os.path.isdir(os.path.join(self.output_dir, SET_ASIDE_DIR)):
+            _discard_set_aside(self.output_dir)
+            logger.info("overwrite_output_dir: deleted the earlier run's %s.", ", ".join(self.set_aside))
+            self.set_aside = []
+
+    def publish_final_model(self, staging: str) -> list[str]:
+        """Move the files of a model saved into ``staging`` into output_dir, each named in the manifest before it
+        lands there; returns their names."""
+        names = sorted(os.listdir(staging))
+        clashes = sorted(set(names) & self._not_ours)
+        if clashes:
+            raise RunFolderError(
+                f"The final model has {', '.join(clashes)}, which {self.output_dir} already holds and no run of ours "
+                f"wrote; it is left in {staging}."
+            )
+        self.declare(names)
+        for name in names:
+            remove_entry(os.path.join(self.output_dir, name))
+            os.replace(os.path.join(staging, name), os.path.join(self.output_dir, name))
+        os.rmdir(staging)
+        self.saved()
+        return names
+
+    def close(self, failed: bool) -> None:
+        """Release the folder. A run that failed before it saved anything moves the earlier run back; a run that
+        wrote nothing leaves the folder as it found it."""
+        try:
+            if not failed and os.path.isdir(self.output_dir):
+                self._refresh()  # e.g. the model card push_to_hub writes
+            if failed and os.path.isdir(os.path.join(self.output_dir, SET_ASIDE_DIR)):
+                restored = _restore(self.output_dir)
+                logger.warning(
+                    "The run failed before it saved a checkpoint: the earlier run's %s are back in %s.",
+                    ", ".join(restored),
+                    self.output_dir,
+                )
+                self.set_aside = []
+            shutil.rmtree(os.path.join(self.output_dir, FINAL_MODEL_STAGING), ignore_errors=True)
+            try:
+                nothing_written = os.path.isdir(self.output_dir) and not run_files(self.output_dir)
+            except RunFolderError:  # a damaged manifest, reported by whoever opened the folder
+                nothing_written = False
+            if nothing_written:
+                remove_entry(os.path.join(self.output_dir, MANIFEST_NAME))
+        finally:
+            self.lock.release()
+            if self._created and os.path.isdir(self.output_dir) and not os.listdir(self.output_dir):
+                os.rmdir(self.output_dir)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
