@@ -155,10 +155,11 @@ def test_lambda_star_of_the_warm_model_is_its_float64_one_and_ignores_a_1e7_jitt
 ):
     """The warm tiny model's first rollout (2 micro-batches; AdamW's first step, whose D = 1 / (|g| + eps) makes lambda*
     the most sensitive): the float32 trainer's lambda* within 2.5e-5 (a tenth of the paper's smallest lambda*) of the
-    same weights' in float64 throughout (1.1e-5 and 1.6e-5 measured under the two kernel settings). After every
-    parameter is multiplied by 1 + 1e-7 N(0, 1), float32 and float64 differ by up to 2.9e-5 (measured; bound 5e-5):
-    Adam's first D divides by |a_i|, and a_i is a float32 sum that cancels. The jitter moves lambda* itself too, by
-    up to 1.1e-5 in float64, and float32 moves it by less than that plus 2.5e-5."""
+    same weights' in float64 (measured 1.1e-5 and 1.6e-5 under the two kernel settings on an Intel CPU, 8e-6 on an
+    AMD EPYC). After every parameter is multiplied by 1 + 1e-7 N(0, 1), float32 and float64 differ by up to 3.0e-5
+    (measured on both CPUs; bound 5e-5): Adam's first D divides by |a_i|, and a_i is a float32 sum that cancels. The
+    jitter moves lambda* itself too (up to 1.3e-5 in float64); float32 moves it by at most that plus the two float32
+    errors (bound 2 x 5e-5; measured 5.2e-5 on the AMD CPU, where float32 erred by +8e-6 and -3.0e-5)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     settings = {k: v for k, v in STEP_BALANCE.items() if k != "opefo_balance"}
@@ -177,4 +178,4 @@ def test_lambda_star_of_the_warm_model_is_its_float64_one_and_ignores_a_1e7_jitt
     for seed in range(2):
         jittered, jittered64 = _lambda_star(fp32, batches, seed), _lambda_star(fp64, batches, seed)
         assert abs(jittered - jittered64) < 5e-5, (seed, jittered, jittered64)
-        assert abs(jittered - ours) < abs(jittered64 - reference) + 2.5e-5
+        assert abs(jittered - ours) < abs(jittered64 - reference) + 2 * 5e-5
