@@ -61,6 +61,10 @@ CONFIGURATIONS = {
     "opefo_param_step": Configuration(
         OPEFOTrainer, dict(method="opefo", entropy_flow_estimate="param", opefo_balance="step")
     ),
+    "opefo_param_step_probe2": Configuration(
+        OPEFOTrainer,
+        dict(method="opefo", entropy_flow_estimate="param", opefo_balance="step", entropy_flow_probe_rollouts=2),
+    ),
     "opefo_param_lora16": Configuration(OPEFOTrainer, dict(method="opefo", entropy_flow_estimate="param"), 16),
     "grpo_diagnostics": Configuration(OPEFOTrainer, dict(method="grpo")),
     "clip_cov": Configuration(OPEFOTrainer, dict(method="clip_cov")),

@@ -108,6 +108,15 @@ class TrainScriptArguments:
     max_train_samples: int | None = field(
         default=None, metadata={"help": "Train on the first N problems only (after deduplication)."}
     )
+    probe_prompts: int = field(
+        default=0,
+        metadata={
+            "help": "Set the last N problems of the training data aside (after deduplication and max_train_samples) "
+            "as the 'param' flow's fixed probe: never trained on, their completions sampled once at the start, their "
+            "entropy measured and balanced with each batch's (OPEFOTrainer's probe_dataset). Needs "
+            "entropy_flow_estimate='param'. 0: none."
+        },
+    )
     prompt_template: str = field(
         default="qwen_math_boxed",
         metadata={"help": "Prompt template of opefo_trl.data.prompts: 'qwen_math_boxed', 'dapo' or 'plain'."},
@@ -164,6 +173,8 @@ class TrainScriptArguments:
             raise ValueError(f"metrics_jsonl must be one of {choices}, got {self.metrics_jsonl!r}.")
         if self.max_train_samples is not None and self.max_train_samples < 1:
             raise ValueError(f"max_train_samples must be at least 1, got {self.max_train_samples}.")
+        if self.probe_prompts < 0:
+            raise ValueError(f"probe_prompts must be >= 0 (0: no probe), got {self.probe_prompts}.")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be a positive number of tokens, got {self.context_length}.")
         if not self.reward_funcs:
@@ -448,6 +459,19 @@ def build_train_dataset(script_args, training_args, model_args, tokenizer):
         drop_overlong=script_args.drop_overlong_prompts,
         chat_template_kwargs=training_args.chat_template_kwargs,
     )
+    if script_args.probe_prompts:
+        from opefo_trl.methods import get_token_method_class
+        from opefo_trl.trainer.probe import check_probe_dataset
+
+        if script_args.probe_prompts >= len(dataset):
+            raise ValueError(
+                f"probe_prompts={script_args.probe_prompts} would set aside every one of the {len(dataset)} problems; "
+                "give fewer, or more data."
+            )
+        method = get_token_method_class(training_args.method)
+        check_probe_dataset(
+            split_probe(dataset, script_args.probe_prompts)[1], training_args, method.needs_rollout_pass
+        )
     logger.info(
         "Training data: %d problems from %s (template %r); every prompt + %d completion tokens fits the context of %d.",
         len(dataset),
@@ -457,6 +481,14 @@ def build_train_dataset(script_args, training_args, model_args, tokenizer):
         context,
     )
     return dataset
+
+
+def split_probe(dataset, probe_prompts: int) -> tuple:
+    """The training data without its last ``probe_prompts`` rows, and those rows (None when 0): the fixed probe."""
+    if not probe_prompts:
+        return dataset, None
+    kept = len(dataset) - probe_prompts
+    return dataset.select(range(kept)), dataset.select(range(kept, len(dataset)))
 
 
 def prepare_inputs(script_args, training_args, model_args) -> tuple:
@@ -556,6 +588,7 @@ def _train(script_args, training_args, model_args, train_dataset, reward_funcs, 
     if script_args.metrics_jsonl != "off":
         callbacks.append(MetricsJsonlCallback(training_args.output_dir, script_args.metrics_jsonl))
 
+    train_dataset, probe_dataset = split_probe(train_dataset, script_args.probe_prompts)
     trainer = OPEFOTrainer(
         model=model_args.model_name_or_path,
         reward_funcs=reward_funcs,
@@ -564,6 +597,7 @@ def _train(script_args, training_args, model_args, train_dataset, reward_funcs, 
         callbacks=callbacks or None,
         quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
+        probe_dataset=probe_dataset,
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     # Saved aside, then moved into output_dir file by file, each named in the manifest first.

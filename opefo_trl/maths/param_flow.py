@@ -17,6 +17,10 @@ compare the forward-mode results with the backward-mode ones on every batch: the
 checks estimate the rounding error (they are not bounds); a large one means the two passes disagree (a forward that
 is not the one differentiated, dropout, a wrong logit transform).
 
+With ``probe`` batches (completions the update does not train on, e.g. earlier rollouts re-scored under the current
+parameters), Hbar is the mean token entropy of the update's own tokens and the probe's together: the policy gradient
+and its c_t are the batch's, only the direction v = D grad Hbar (and with it u_t) changes.
+
 The optimizer's real next step, whose momentum this D does not describe, is modelled exactly in
 ``opefo_trl.maths.step_model``.
 
@@ -40,7 +44,7 @@ Example (a linear softmax policy, where everything can be checked by hand):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -93,7 +97,8 @@ class ParamFlow:
     over ranks and kept for the step model and the audit. The checks (module docstring): ``check_error`` is the
     relative difference of the forward-mode derivative of Hbar along v = D grad Hbar from <grad Hbar, v>;
     ``lambda_error`` is |net - net_backward| / gross, the lambda* error implied by the net flow sum_t c_t u_t against
-    -<v, a>. ``clip`` is that of the unweighted gradient."""
+    -<v, a>. ``clip`` is that of the unweighted gradient. ``entropy`` is Hbar (over the batch and the probe, summed
+    over ranks) and ``probe_entropies`` the probe batches' H_t, both before any update."""
 
     alignment: list[torch.Tensor]
     logps: list[torch.Tensor]
@@ -105,6 +110,8 @@ class ParamFlow:
     lambda_error: float
     lambda_star: float
     clip: float
+    entropy: float = 0.0
+    probe_entropies: list[torch.Tensor] = field(default_factory=list)
 
 
 class ParamFlowEstimator:
@@ -119,8 +126,9 @@ class ParamFlowEstimator:
         max_grad_norm: the Trainer's gradient clipping, applied to the gradient D is built from.
 
     Cost per rollout batch: per micro-batch a forward with two backwards (grad Hbar and a) and one forward-mode pass
-    (u_t, dH_t); for the step model a forward with one backward (b). Extra memory: grad Hbar and a (two copies of the
-    trainable parameters in their compute dtype), the direction v during the forward-mode pass (a third), then b.
+    (u_t, dH_t); per probe batch a forward with one backward and a forward-mode pass; for the step model a forward
+    with one backward (b). Extra memory: grad Hbar and a (two copies of the trainable parameters in their compute
+    dtype), the direction v during the forward-mode pass (a third), then b.
     """
 
     def __init__(
@@ -153,12 +161,21 @@ class ParamFlowEstimator:
     def _sum(self, value: torch.Tensor) -> float:
         return float(self.reduce_sum(value.double().reshape(1))[0])
 
-    def estimate(self, batches: Sequence[Any], masks: Sequence[torch.Tensor], coefficients: CoefficientFn) -> ParamFlow:
+    def estimate(
+        self,
+        batches: Sequence[Any],
+        masks: Sequence[torch.Tensor],
+        coefficients: CoefficientFn,
+        probe: Sequence[tuple[Any, torch.Tensor]] = (),
+    ) -> ParamFlow:
         """u_t of every micro-batch; ``masks`` select the tokens Hbar averages (the loss tokens), ``coefficients``
-        gives the unweighted loss's c_t from the scoring pass's detached log pi_t and H_t."""
-        tokens = max(self._sum(cast(torch.Tensor, sum(mask.sum() for mask in masks))), 1.0)  # masks: never empty
+        gives the unweighted loss's c_t from the scoring pass's detached log pi_t and H_t. ``probe``: (batch, mask)
+        pairs whose tokens Hbar averages too, outside the loss (module docstring)."""
+        probe_masks = [mask for _, mask in probe]
+        tokens = max(self._sum(cast(torch.Tensor, sum(m.sum() for m in [*masks, *probe_masks]))), 1.0)
         entropy_grad, loss_grad = self._zeros(), self._zeros()
-        logps_list, entropies_list, coefficient_list = [], [], []
+        logps_list, entropies_list, coefficient_list, probe_entropies = [], [], [], []
+        entropy_sum = 0.0
         with torch.enable_grad():
             for batch, mask in zip(batches, masks, strict=True):
                 logps, entropies = self.score(batch)
@@ -168,6 +185,12 @@ class ParamFlowEstimator:
                 logps_list.append(logps.detach())
                 entropies_list.append(entropies.detach())
                 coefficient_list.append(coefficient)
+                entropy_sum += float((entropies.detach().double() * mask).sum())
+            for batch, mask in probe:
+                _, entropies = self.score(batch)
+                self._accumulate(entropy_grad, (entropies * mask).sum() / tokens, retain=False)
+                probe_entropies.append(entropies.detach())
+                entropy_sum += float((entropies.detach().double() * mask).sum())
         self._reduce(entropy_grad)
         self._reduce(loss_grad)
         clip = clip_coefficient(global_norm(loss_grad), self.max_grad_norm) if self.optimizer is not None else 1.0
@@ -185,6 +208,8 @@ class ParamFlowEstimator:
             lambda_error=0.0,
             lambda_star=0.0,
             clip=clip,
+            entropy=self._sum(torch.tensor(entropy_sum, dtype=torch.float64, device=masks[0].device)) / tokens,
+            probe_entropies=probe_entropies,
         )
         if exact_derivative == 0.0:  # no entropy gradient: no token moves Hbar to first order
             return flow
@@ -195,6 +220,9 @@ class ParamFlowEstimator:
             entropy_change += float((dh.double() * mask).sum())
             net, gross = net + float(contribution.sum()), gross + float(contribution.abs().sum())
             alignment.append(u.float())
+        for batch, mask in probe:  # only for the check: the probe's share of the derivative of Hbar
+            _, dh = self.jvp(batch, direction)
+            entropy_change += float((dh.double() * mask).sum())
         del direction
         sums = self.reduce_sum(torch.tensor([entropy_change, net, gross], dtype=torch.float64, device=u.device))
         entropy_change, net, gross = (float(x) for x in sums)

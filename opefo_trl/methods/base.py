@@ -84,11 +84,13 @@ class TokenTerms:
 class MethodContext:
     """What the trainer offers a method's hooks: ``reduce_sum`` sums a tensor over data-parallel ranks (every rank must
     make the same calls in the same order), and ``step_change(signs)``, built only when called, returns F(lambda) for
-    rollout weights 1 + lambda * signs (``signs`` (B, T) over the hook's whole batch). The default context is a single
-    process without a step model."""
+    rollout weights 1 + lambda * signs (``signs`` (B, T) over the hook's whole batch); ``entropy`` is the mean token
+    entropy F measures the change of (the batch's, or with ``entropy_flow_probe_rollouts`` the probe's; None without
+    a step model). The default context is a single process without a step model."""
 
     reduce_sum: ReduceSum = _identity
     step_model: Callable[[torch.Tensor], StepChange] | None = None
+    entropy: float | None = None
 
     def step_change(self, signs: torch.Tensor) -> StepChange:
         if self.step_model is None:

@@ -4,6 +4,7 @@ change (``opefo_balance="step"``, this library's) is zero (docs/algorithm.md sec
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import deque
 from dataclasses import dataclass
@@ -70,6 +71,23 @@ class OPEFO(TokenMethod):
             "bias correction, eps, weight decay and the gradient clip included), lambda found by a 1-D root search; "
             "needs entropy_flow_estimate='param' with entropy_flow_preconditioner='adam'.",
         )
+        opefo_entropy_target: float | None = setting(
+            None,
+            "opefo_balance='step': steer the mean token entropy the balance measures (the batch's, or the probe's "
+            "with entropy_flow_probe_rollouts) toward this level instead of holding it: lambda makes the real step's "
+            "first-order entropy change opefo_entropy_target_rate * (opefo_entropy_target - H). TRL's "
+            "use_adaptive_entropy / entropy_target goal, through the exact step model instead of a tuned coefficient. "
+            "None: a zero change (hold).",
+        )
+        opefo_entropy_target_rate: float = setting(
+            0.1, "With opefo_entropy_target: the fraction of the entropy gap each optimizer step is asked to close."
+        )
+        opefo_low_prob: float = setting(
+            0.01,
+            "Tokens sampled with a probability below this are 'negligible' for opefo/low_prob_flow_share (the share "
+            "of the reweighted entropy flow they carry) and for the regime guard's warning when, over the last 20 "
+            "steps, they carry most of it: entropy held by tokens the policy almost never samples is not exploration.",
+        )
         opefo_lambda_warn: float = setting(
             0.1,
             "Warn once when |lambda*| averaged over the last 20 optimizer steps exceeds this: the paper's lambda* is "
@@ -95,6 +113,24 @@ class OPEFO(TokenMethod):
                     "opefo_lambda must lie in [-1, 1] (token weights 1 +/- lambda must stay >= 0); "
                     f"got {self.opefo_lambda}."
                 )
+            if self.opefo_entropy_target is not None:
+                if self.opefo_balance != "step":
+                    raise ValueError(
+                        "opefo_entropy_target sets the first-order entropy change of the real optimizer step, which "
+                        "only opefo_balance='step' solves for. Set opefo_balance='step' (with "
+                        "entropy_flow_estimate='param'), or remove opefo_entropy_target."
+                    )
+                if not (math.isfinite(self.opefo_entropy_target) and self.opefo_entropy_target >= 0):
+                    raise ValueError(
+                        f"opefo_entropy_target is a mean token entropy (nats, >= 0); got {self.opefo_entropy_target}."
+                    )
+            if not 0 < self.opefo_entropy_target_rate <= 1:
+                raise ValueError(
+                    "opefo_entropy_target_rate is the fraction of the entropy gap closed per step, in (0, 1]; got "
+                    f"{self.opefo_entropy_target_rate}."
+                )
+            if not 0 < self.opefo_low_prob < 1:
+                raise ValueError(f"opefo_low_prob is a probability in (0, 1); got {self.opefo_low_prob}.")
             if not self.opefo_lambda_warn > 0:
                 raise ValueError(f"opefo_lambda_warn must be > 0; got {self.opefo_lambda_warn}.")
 
@@ -111,6 +147,11 @@ class OPEFO(TokenMethod):
             "OPEFO, whole AdamW step balanced (ours)",
             '`entropy_flow_estimate="param"`, `opefo_balance="step"`: λ also offsets what Adam\'s momentum carries',
         ),
+        (
+            "OPEFO, probe balance / entropy setpoint (ours)",
+            "with `param`: `entropy_flow_probe_rollouts=4` (the entropy of the last 4 rollouts is balanced); with the "
+            "step balance: `opefo_entropy_target=0.5` (steered toward a level)",
+        ),
     )
     #: Optimizer steps over which the regime guard averages |lambda*|.
     REGIME_WINDOW = 20
@@ -118,11 +159,15 @@ class OPEFO(TokenMethod):
     #: rollout's: on the demo's digit-sum task healthy OPEFO runs peaked at 1.14x their start, and a run on its way to
     #: a uniform policy (reward 0) crossed 1.2x two steps before it died, with |lambda*| averaging only 0.04.
     ENTROPY_RISE_WARN = 1.2
+    #: The regime guard warns once when negligible-probability tokens carry more than this share of the reweighted
+    #: flow on average over its window.
+    LOW_PROB_WARN = 0.5
 
     def __init__(self, settings: Settings | None = None, *, flow_estimate: str = "opefo", **values) -> None:
         super().__init__(settings, **values)
         self.flow_estimate = flow_estimate  # for the regime guard's advice
         self._recent_lambdas: deque[float] = deque(maxlen=self.REGIME_WINDOW)
+        self._recent_low_prob: deque[float] = deque(maxlen=self.REGIME_WINDOW)
         self._rollout_metrics: dict[str, float] = {}
         self._first_entropy: float | None = None
         self._pending_warnings: list[str] = []
@@ -183,16 +228,25 @@ class OPEFO(TokenMethod):
         if self.settings.opefo_lambda is not None:
             lam = float(self.settings.opefo_lambda)
         elif self.settings.opefo_balance == "step":
-            balance = solve_step_balance(context.step_change(weight_signs(flow, self.settings.opefo_sides)))
+            change, target = context.step_change(weight_signs(flow, self.settings.opefo_sides)), self._target(context)
+            balance = solve_step_balance(lambda lam: change(lam) - target)
             lam = balance.lam
-            metrics.update({"opefo/step_change": balance.residual, "opefo/step_change_unweighted": balance.unweighted})
+            metrics.update(
+                {
+                    "opefo/step_change": balance.residual + target,
+                    "opefo/step_change_unweighted": balance.unweighted + target,
+                }
+            )
+            if self.settings.opefo_entropy_target is not None:
+                metrics["opefo/step_target"] = target
             if not balance.bracketed and not self._warned_unbalanced:
                 self._warned_unbalanced = True
                 warnings.warn(
-                    "opefo_balance='step': no lambda in [-1, 1] zeroes the first-order entropy change of this step "
-                    f"(without reweighting {balance.unweighted:.3g}; at lambda={lam:g} still {balance.residual:.3g}): "
-                    "reweighting this batch's sets cannot offset what the optimizer's moments carry. lambda is set to "
-                    "the end point with the smaller change (warned once; opefo/step_change logs what remains).",
+                    "opefo_balance='step': no lambda in [-1, 1] gives this step the first-order entropy change "
+                    f"asked for ({target:.3g}; without reweighting {balance.unweighted + target:.3g}, at "
+                    f"lambda={lam:g} {balance.residual + target:.3g}): reweighting this batch's sets cannot offset "
+                    "what the optimizer's moments carry. lambda is set to the end point closer to it (warned once; "
+                    "opefo/step_change logs the change every step).",
                     stacklevel=2,
                 )
         else:
@@ -201,10 +255,32 @@ class OPEFO(TokenMethod):
         weighted = FlowStats.from_tensor(reduce_sum(flow_stats(flow * weights, batch.factor).to_tensor()))
         self._recent_lambdas.append(abs(float(stats.lambda_star)))
         in_loss = batch.in_loss.double()
-        entropy = reduce_sum(torch.stack([(batch.entropies.double() * in_loss).sum(), in_loss.sum()]))
-        self._watch_regime(float(entropy[0] / entropy[1].clamp(min=1)))
-        self._rollout_metrics = {**metrics, "opefo/lambda_applied": lam, "opefo/weighted_net": float(weighted.net)}
+        # Where the reweighted flow sits: the share of it carried by tokens sampled with negligible probability.
+        moved = (batch.factor.double() * flow.double() * weights.double()).abs()
+        negligible = (batch.logps.exp() < self.settings.opefo_low_prob).double()
+        sums = reduce_sum(
+            torch.stack(
+                [(batch.entropies.double() * in_loss).sum(), in_loss.sum(), (moved * negligible).sum(), moved.sum()]
+            )
+        )
+        low_prob_share = float(sums[2] / sums[3]) if float(sums[3]) > 0 else 0.0
+        self._recent_low_prob.append(low_prob_share)
+        self._watch_regime(float(sums[0] / sums[1].clamp(min=1)))
+        self._rollout_metrics = {
+            **metrics,
+            "opefo/lambda_applied": lam,
+            "opefo/weighted_net": float(weighted.net),
+            "opefo/low_prob_flow_share": low_prob_share,
+        }
         return weights
+
+    def _target(self, context: MethodContext) -> float:
+        """The first-order entropy change the step balance solves for: 0, or a share of the gap to the setpoint."""
+        if self.settings.opefo_entropy_target is None:
+            return 0.0
+        if context.entropy is None:
+            raise ValueError("opefo_entropy_target needs the entropy the step model measures (MethodContext.entropy).")
+        return self.settings.opefo_entropy_target_rate * (self.settings.opefo_entropy_target - context.entropy)
 
     def _warn_if_one_sided(self, stats: FlowStats) -> None:
         """P = 0 or N = 0 with flow on the other side: lambda* = +/-1 zeroes every token of that side (warned once)."""
@@ -262,6 +338,16 @@ class OPEFO(TokenMethod):
                 f"2.5e-4..1.75e-3, while balancing these batches takes token weights of 1 +/- {mean:.2f}, which can "
                 f"fight the learning signal instead of gently correcting it. {self._advice()} docs/algorithm.md ('The "
                 "regime') explains when OPEFO applies."
+            )
+        low_prob = sum(self._recent_low_prob) / max(len(self._recent_low_prob), 1)
+        if "low_prob" not in self._warned and window == self.REGIME_WINDOW and low_prob > self.LOW_PROB_WARN:
+            self._warned.add("low_prob")
+            self._pending_warnings.append(
+                f"{REGIME_GUARD}over the last {self.REGIME_WINDOW} optimizer steps, {low_prob:.0%} of the reweighted "
+                f"entropy flow was carried by tokens sampled with probability < opefo_low_prob="
+                f"{self.settings.opefo_low_prob:g} (opefo/low_prob_flow_share): the balance rests on tokens the policy "
+                "almost never samples, so the entropy it holds may sit on junk rather than on the task's choices. "
+                "Sample completions and look; docs/algorithm.md ('Where the entropy sits') explains the metric."
             )
         rise = entropy / self._first_entropy if self._first_entropy > 0 else 1.0
         if "entropy" not in self._warned and rise > self.ENTROPY_RISE_WARN:

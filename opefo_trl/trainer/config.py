@@ -63,6 +63,14 @@ class EntropyFlowSettings:
         "gradient (computed in the same pass); 'none': plain SGD (optim='sgd', no momentum). Each is refused with "
         "the other family's optimizer.",
     )
+    entropy_flow_probe_rollouts: int = setting(
+        1,
+        "'param' estimate: the entropy whose first-order change the flow measures (and OPEFO balances) is the mean "
+        "token entropy of this rollout batch and the K - 1 rollout batches before it, re-scored under the current "
+        "parameters. 1: this rollout batch only (the paper's). The update stays strictly on-policy: only the entropy "
+        "direction D grad Hbar changes. Each earlier micro-batch adds a forward+backward and a forward-mode pass per "
+        "step; the earlier batches are not checkpointed (after a resume the probe refills over K - 1 steps).",
+    )
     entropy_flow_diagnostics: bool = setting(
         True,
         "Log the entropy flow every optimizer step produces (entropy_flow/lambda, increase, decrease, net, token "
@@ -73,7 +81,8 @@ class EntropyFlowSettings:
         "Every k-th optimizer step (0: never), re-score that step's batch after the update without gradients and log "
         "entropy_flow/measured_delta, the measured change of its mean token entropy (per-token differences summed in "
         "float64). For 'param' also entropy_flow/predicted_delta (the first-order change of the step from its real "
-        "gradient and the optimizer's state) and entropy_flow/step_first_order (from the real parameter change). One "
+        "gradient and the optimizer's state) and entropy_flow/step_first_order (from the real parameter change); with "
+        "entropy_flow_probe_rollouts > 1 the measured tokens are the probe's (this batch and the earlier ones). One "
         "no-grad forward per audited step.",
     )
     vocab_stats_token_chunk_size: int = setting(512, "Tokens per tile of the `full` estimate's vocabulary pass.")
@@ -204,7 +213,20 @@ def validate_opefo_settings(args) -> None:
         raise ValueError(f"entropy_flow_audit_steps must be >= 0 (0: off); got {args.entropy_flow_audit_steps}.")
     if args.vocab_stats_token_chunk_size < 1 or args.vocab_stats_vocab_chunk_size < 1:
         raise ValueError("vocab_stats_token_chunk_size and vocab_stats_vocab_chunk_size must be >= 1.")
-    if method_class.needs_rollout_pass or args.entropy_flow_diagnostics:  # the estimate is computed
+    if args.entropy_flow_probe_rollouts < 1:
+        raise ValueError(
+            "entropy_flow_probe_rollouts must be >= 1 (1: this rollout batch only); got "
+            f"{args.entropy_flow_probe_rollouts}."
+        )
+    computes_flow = method_class.needs_rollout_pass or args.entropy_flow_diagnostics
+    if args.entropy_flow_probe_rollouts > 1 and not (computes_flow and args.entropy_flow_estimate == "param"):
+        raise ValueError(
+            f"entropy_flow_probe_rollouts={args.entropy_flow_probe_rollouts} sets the entropy the 'param' estimate "
+            f"measures, but this configuration computes no 'param' flow (entropy_flow_estimate="
+            f"{args.entropy_flow_estimate!r}, method={args.method!r}, entropy_flow_diagnostics="
+            f"{args.entropy_flow_diagnostics}). Set entropy_flow_estimate='param', or remove the option."
+        )
+    if computes_flow:
         if args.entropy_flow_estimate == "param":
             _check_param_optimizer(args)
         check_estimate_backend(

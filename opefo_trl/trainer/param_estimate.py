@@ -4,11 +4,17 @@
 The estimator runs in full precision on the unwrapped model (no DDP hooks: it all-reduces its gradients itself)
 with the trainer's scoring function; the loss coefficients c_t = f_t A_t are those of the loss TRL will apply,
 unweighted. The step model (``step_change``) is built only when a method asks for it (OPEFO's step balance).
+
+With ``probe_rollouts`` K > 1 (``entropy_flow_probe_rollouts``), the entropy the flow is measured on is that of this
+rollout batch and the K - 1 before it, re-scored under the current parameters: the estimate keeps those earlier
+micro-batches (their token ids and masks, on the device) and hands them to the estimator as its probe, after the
+micro-batches of a fixed probe if there is one (``opefo_trl.trainer.probe``).
 """
 
 from __future__ import annotations
 
 import warnings
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -47,6 +53,8 @@ class ParamEstimate:
         max_grad_norm: the Trainer's gradient clipping.
         log_metrics: where ``entropy_flow/param_check_error`` and ``param_lambda_error`` go.
         main_process: warnings are issued there only.
+        probe_rollouts: the rollout batches (this one included) whose mean token entropy the flow is measured on.
+        fixed_probe: the micro-batches of a fixed probe (``probe.FixedProbe.batches``), measured too.
     """
 
     def __init__(
@@ -61,6 +69,8 @@ class ParamEstimate:
         max_grad_norm: float | None,
         log_metrics: Callable[[dict[str, float]], None],
         main_process: bool,
+        probe_rollouts: int = 1,
+        fixed_probe: Callable[[], list[tuple[RolloutItem, torch.Tensor]]] | None = None,
     ):
         self.params, self.score, self.jvp, self.loss = params, score, jvp, loss
         self.reduce_sum, self.num_processes = reduce_sum, num_processes
@@ -68,6 +78,10 @@ class ParamEstimate:
         self.log_metrics, self.main_process = log_metrics, main_process
         self._warned_imprecise = False
         self._step: tuple[torch.Tensor, StepModel] | None = None  # this rollout's signs and step model
+        #: The micro-batches (and loss masks) of the earlier rollouts in the probe, oldest first.
+        self._earlier: deque[list[tuple[RolloutItem, torch.Tensor]]] = deque(maxlen=probe_rollouts - 1)
+        self.fixed_probe = fixed_probe
+        self.probe: list[tuple[RolloutItem, torch.Tensor]] = []  # the probe of the last estimate
 
     @staticmethod
     def check_optimizer(optimizer: torch.optim.Optimizer, preconditioner: str) -> None:
@@ -109,8 +123,17 @@ class ParamEstimate:
 
         masks = [self.loss.mask(item.batch).float() for item in items]
         self._step = None
+        fixed = [] if self.fixed_probe is None else self.fixed_probe()
+        self.probe = [*fixed, *(pair for rollout in self._earlier for pair in rollout)]
         with self._full_precision(estimator):
-            flow = estimator.estimate(items, masks, coefficients)
+            flow = estimator.estimate(items, masks, coefficients, self.probe)
+        if self._earlier.maxlen:  # a copy of the dict: the trainer replaces its advantages and adds its state
+            self._earlier.append(
+                [
+                    (RolloutItem(dict(item.batch), item.advantages), mask)
+                    for item, mask in zip(items, masks, strict=True)
+                ]
+            )
         self.log_metrics({"entropy_flow/param_check_error": flow.check_error})
         self.log_metrics({"entropy_flow/param_lambda_error": flow.lambda_error})
         message = imprecision(flow)

@@ -166,6 +166,9 @@ class RolloutWeigher:
         if self.param is not None:
             estimator, flow = self.param.estimate(items)
             context.step_model = partial(self.param.step_change, estimator, flow, items)
+            context.entropy = flow.entropy
+            for (probe, _), entropies in zip(self.param.probe, flow.probe_entropies, strict=True):
+                self.audit.keep_batch(probe.batch, entropies, full_precision=True)  # the audit measures the probe too
         elif captured is None:
             for item in items:
                 item.scores = self.scorer.score(item.batch, vocab=self.estimate == "full").detached()

@@ -55,6 +55,7 @@ from opefo_trl.trainer.generation_stats import GenerationStats  # noqa: E402
 from opefo_trl.trainer.loss_mirror import LossMirror, trl_scores_rollout  # noqa: E402
 from opefo_trl.trainer.micro_batch import MicroBatchWeigher  # noqa: E402
 from opefo_trl.trainer.param_estimate import ParamEstimate  # noqa: E402
+from opefo_trl.trainer.probe import FixedProbe, check_probe_dataset  # noqa: E402
 from opefo_trl.trainer.rollout import RolloutWeigher  # noqa: E402
 from opefo_trl.trainer.sampler import EpochSeededSampler  # noqa: E402
 from opefo_trl.trainer.scoring import Scorer, ScoringObserver, core_model  # noqa: E402
@@ -64,7 +65,9 @@ class OPEFOTrainer(GRPOTrainer):
     """A drop-in [`~trl.GRPOTrainer`] whose per-token policy-gradient terms are weighted by a token method.
 
     Takes exactly `GRPOTrainer`'s arguments (`reward_funcs` optional with an `environment_factory` that owns the
-    reward; `args=None`: `GRPOConfig`'s defaults in `<model>-GRPO`, as `GRPOTrainer` names it). `args` is an
+    reward; `args=None`: `GRPOConfig`'s defaults in `<model>-GRPO`, as `GRPOTrainer` names it), and `probe_dataset`: a
+    data set of prompts (a `prompt` column, as `train_dataset`) never trained on, whose completions, sampled once at
+    the start, the `param` flow measures the entropy of too (`opefo_trl.trainer.probe`). `args` is an
     [`OPEFOConfig`], or a `GRPOConfig` (or subclass), which is kept as it is (same object, class and fields) and given
     the OPEFO options with their defaults (`method="opefo"`). What reward functions return is checked on every call
     (`opefo_trl.trainer.checks`), and each epoch's data order follows from the seed and the epoch
@@ -80,13 +83,22 @@ class OPEFOTrainer(GRPOTrainer):
     #: An `OPEFOConfig`, or a `GRPOConfig` given every OPEFO option by `with_opefo_settings`.
     args: OPEFOConfig
 
-    def __init__(self, model, reward_funcs=None, args: OPEFOConfig | GRPOConfig | None = None, *pargs, **kwargs):
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args: OPEFOConfig | GRPOConfig | None = None,
+        *pargs,
+        probe_dataset=None,
+        **kwargs,
+    ):
         if args is None:  # the output_dir GRPOTrainer (TRL 1.16) defaults to, so that swapping the class moves nothing
             name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = OPEFOConfig(output_dir=f"{name.split('/')[-1]}-GRPO")
         args = with_opefo_settings(args)
         check_training_values(args)
         self.token_method: TokenMethod = get_token_method_class(args.method).from_config(args)
+        self._probe_prompts = check_probe_dataset(probe_dataset, args, self.token_method.needs_rollout_pass)
         self._observer: ScoringObserver | None = None  # TRL's scoring call in progress that a part observes
         model_setup.keep_float64_head(model, args)
         cast_peft_head = model_setup.casts_peft_head(model, args, (reward_funcs, args, *pargs), kwargs)
@@ -189,6 +201,24 @@ class OPEFOTrainer(GRPOTrainer):
             max_grad_norm=self.args.max_grad_norm,
             log_metrics=self._log_metrics,
             main_process=self.accelerator.is_main_process,
+            probe_rollouts=self.args.entropy_flow_probe_rollouts,
+            fixed_probe=None if self._probe_prompts is None else self._fixed_probe().batches,
+        )
+
+    def _fixed_probe(self) -> FixedProbe:
+        assert self._probe_prompts is not None and self.num_generations is not None  # (GRPOConfig sets it)
+        return FixedProbe(
+            self._probe_prompts,
+            tokenize=self._tokenize_prompts,
+            generate=self._generate_single_turn,
+            pad_token_id=self._tokenizer.pad_token_id,
+            num_generations=self.num_generations,
+            batch_size=self.args.per_device_train_batch_size,
+            loss_mask=self.loss_mirror.mask,
+            rank=self.accelerator.process_index,
+            world_size=self.accelerator.num_processes,
+            seed=self.args.seed,
+            device=lambda: self.accelerator.device,
         )
 
     # What the parts are given ---------------------------------------------------------------------------------------

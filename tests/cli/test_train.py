@@ -922,3 +922,37 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_no_partial_check
     ]
     assert "Traceback" not in err
     assert snapshot(tmp_path) == before
+
+
+def test_probe_prompts_are_set_aside_from_training_and_sampled_as_the_fixed_probe(
+    tiny_model_path, problems_file, tmp_path, reward_module
+):
+    """--probe_prompts 4: the data file's last 4 problems are never trained on (the reward never sees their answers
+    in 3 steps that draw each of the other 12 once), and the `param` flow measures their completions."""
+    out = str(tmp_path / "out")
+    argv = [
+        "--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, out, max_steps=3),
+        "--reward_funcs", "opefo_cli_test_rewards.digit_overlap_reward",
+        "--entropy_flow_estimate", "param", "--probe_prompts", "4",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    gold = [str(i + 2 + 3 * i + 1) for i in range(16)]
+    assert set(reward_module.SEEN_SOLUTIONS) == set(gold[:12])
+    assert all(-1.0 < m["opefo/lambda"] < 1.0 for m in _metrics(out) if "opefo/lambda" in m)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--probe_prompts", "2"], "probe_dataset sets the entropy the 'param' estimate measures"),
+        (["--probe_prompts", "16", "--entropy_flow_estimate", "param"], "would set aside every one of the 16"),
+        (["--probe_prompts", "-1"], "probe_prompts must be >= 0"),
+    ],
+)
+def test_a_probe_without_effect_or_data_is_refused_before_loading(
+    extra, message, tiny_model_path, problems_file, tmp_path, no_model_loading, capsys
+):
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "out")), *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("opefo-train: error: ") and message in err and "Traceback" not in err

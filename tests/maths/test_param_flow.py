@@ -3,6 +3,7 @@ against what does not share their construction: autograd's per-token gradients, 
 SGD or torch AdamW step, the parameters that step really wrote, and a float64 reference of a float32 run."""
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -345,3 +346,121 @@ def test_preconditioners_refuse_an_optimizer_they_do_not_model():
         check_optimizer(torch.optim.AdamW([p], maximize=True), "adam")
     check_optimizer(torch.optim.Adam([p]), "adam")
     check_optimizer(torch.optim.SGD([p], lr=0.1), "none")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A probe: Hbar over the batch and completions the update does not train on
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _probe_estimate(model, batch, probe_batches, optimizer=None, reduce_sum=None, jvp_lock=None):
+    sequences, advantages, factor = batch
+    kwargs = {} if reduce_sum is None else {"reduce_sum": reduce_sum}
+    jvp = _jvp(model)
+    if jvp_lock is not None:  # forward-mode AD has one dual level per process: one thread's pass at a time
+
+        def jvp(sequences, direction, unlocked=jvp):
+            with jvp_lock:
+                return unlocked(sequences, direction)
+
+    estimator = ParamFlowEstimator(_params(model), _scorer(model), jvp, optimizer=optimizer, **kwargs)
+    probe = [(s, torch.ones(s.size(0), COMPLETION, dtype=model.dtype)) for s in probe_batches]
+    flow = estimator.estimate(
+        [sequences], [torch.ones_like(factor)], lambda b, logps, entropies: factor * advantages[:, None], probe
+    )
+    return estimator, flow
+
+
+def _first_order_sgd(model, entropy_of, batch, weights=None):
+    """<grad Hbar, -grad L>: the first-order change of ``entropy_of(model)`` (a mean token entropy, with its graph)
+    per unit step of SGD on the batch's loss, from autograd's gradients alone."""
+    params = _params(model)
+    entropy_grad = torch.autograd.grad(entropy_of(model), params)
+    loss_grad = torch.autograd.grad(_loss(model, *batch, weights), params)
+    return -inner(entropy_grad, loss_grad)
+
+
+def _mean_entropy_with_graph(sequences_list):
+    def entropy_of(model):
+        entropies = torch.cat([_scorer(model)(s)[1] for s in sequences_list])
+        return entropies.mean()
+
+    return entropy_of
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_probe_balance_zeroes_the_first_order_change_of_the_probe_s_entropy(network, seed):
+    """The batch balance with two probe batches (other prompts, other completions): the reweighted SGD step leaves
+    the mean entropy of the batch and the probe unchanged to first order, by autograd's gradients (which share none
+    of the forward-mode pass that gives u_t), where the batch-only balance does not; a real small step then changes
+    the probe's entropy at second order only."""
+    batch = _rollout(network, seed)
+    probe = [_rollout(network, seed + 10)[0], _rollout(network, seed + 20)[0]]
+    sequences, advantages, factor = batch
+    everything = _mean_entropy_with_graph([sequences, *probe])
+
+    def balanced_weights(flow):
+        d = entropy_flow(flow.logps[0], flow.entropies[0], advantages, "param", entropy_alignment=flow.alignment[0])
+        return token_weights(d, flow_stats(d.double(), factor).lambda_star).double()
+
+    _, with_probe = _probe_estimate(network, batch, probe)
+    _, batch_only = _probe_estimate(network, batch, [])
+    unweighted = _first_order_sgd(network, everything, batch)
+    balanced = _first_order_sgd(network, everything, batch, balanced_weights(with_probe))
+    batch_balanced = _first_order_sgd(network, everything, batch, balanced_weights(batch_only))
+    assert with_probe.check_error < 1e-10 and with_probe.lambda_error < 1e-10
+    # u_t is stored in float32: each c_t w_t u_t is off by at most 2^-24 of itself, and w_t <= 2.
+    gross = float((with_probe.coefficients[0] * with_probe.alignment[0].double()).abs().sum())
+    assert abs(balanced) <= 2 * 2**-24 * gross, (balanced, gross, unweighted)
+    assert abs(batch_balanced) > 1e3 * abs(balanced), (batch_balanced, balanced)
+    tokens = sequences.size(0) * COMPLETION * 3
+    assert with_probe.entropy * tokens == pytest.approx(float(everything(network).detach()) * tokens, rel=1e-12)
+
+
+class _ThreadRanks:
+    """Data-parallel ranks as threads: ``reducer(rank)`` sums a tensor over all ranks, in rank order on each (what
+    an all-reduce gives every rank)."""
+
+    def __init__(self, size):
+        self.barrier, self.slots = threading.Barrier(size, timeout=60), [None] * size
+
+    def reducer(self, rank):
+        def reduce_sum(tensor):
+            self.slots[rank] = tensor.detach().clone()
+            self.barrier.wait()
+            total = sum(self.slots[1:], self.slots[0].clone())
+            self.barrier.wait()
+            return total
+
+        return reduce_sum
+
+
+def test_a_probe_balance_over_two_ranks_is_the_single_process_one(network):
+    """Two ranks, each with half of the batch and half of the probe: the probe's entropy gradient and token count are
+    summed like the batch's, so each rank's u_t, lambda* and Hbar are the single process's (float64; u_t stored in
+    float32, so equal to one float32 ulp), and a rank that kept its probe to itself would differ."""
+    sequences, advantages, factor = _rollout(network, 0)
+    probe = [_rollout(network, 10)[0], _rollout(network, 20)[0]]
+    _, single = _probe_estimate(network, (sequences, advantages, factor), probe)
+    half = BATCH // 2
+    ranks, results, lock = _ThreadRanks(2), [None, None], threading.Lock()
+
+    def run(rank):
+        rows = slice(rank * half, (rank + 1) * half)
+        model = copy.deepcopy(network)  # a process of its own (forward-mode passes swap the module's parameters)
+        batch = (sequences[rows], advantages[rows], factor[rows])
+        results[rank] = _probe_estimate(model, batch, [probe[rank]], reduce_sum=ranks.reducer(rank), jvp_lock=lock)[1]
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for rank, flow in enumerate(results):
+        assert flow is not None
+        rows = slice(rank * half, (rank + 1) * half)
+        torch.testing.assert_close(flow.alignment[0], single.alignment[0][rows], rtol=2**-23, atol=0)
+        assert flow.lambda_star == pytest.approx(single.lambda_star, rel=1e-12)
+        assert flow.entropy == pytest.approx(single.entropy, rel=1e-12)
+    _, own_probe_only = _probe_estimate(network, (sequences[:half], advantages[:half], factor[:half]), [probe[0]])
+    assert abs(own_probe_only.lambda_star - single.lambda_star) > 1e-3 * abs(single.lambda_star)

@@ -81,7 +81,7 @@ def test_opefo_step_balance_without_a_root_in_reach_takes_the_better_end_and_war
     batch = random_batch(seed=8)
     for change, end in ((lambda lam: -1.0 + 0.1 * lam, 1.0), (lambda lam: 1.0 + 0.1 * lam, -1.0)):
         method = OPEFO(opefo_balance="step")
-        with pytest.warns(UserWarning, match=r"no lambda in \[-1, 1\] zeroes the first-order entropy change"):
+        with pytest.warns(UserWarning, match=r"no lambda in \[-1, 1\] gives this step the first-order entropy change"):
             weights = method.rollout_weights(batch, MethodContext(step_model=lambda signs, change=change: change))
         method.on_optimizer_step()
         assert method.pop_metrics()["opefo/lambda_applied"] == end
@@ -181,3 +181,68 @@ def test_regime_guard_stays_quiet_in_the_paper_regime():
         for _ in range(3 * OPEFO.REGIME_WINDOW):
             method.rollout_weights(batch)
             assert method.regime_warning() is None
+
+
+def test_an_entropy_setpoint_solves_for_its_share_of_the_gap():
+    """opefo_entropy_target: lambda makes the step's first-order change rate * (target - H), H the context's entropy
+    (the step model's batch or probe), not 0; the metrics give the change reached and the one asked for."""
+    batch = random_batch(seed=8)
+
+    def step_change(lam):
+        return 3e-3 * (lam - 0.2) + 1e-3 * (lam**3 - 0.2**3)
+
+    method = OPEFO(opefo_balance="step", opefo_entropy_target=1.5, opefo_entropy_target_rate=0.5)
+    method.rollout_weights(batch, MethodContext(step_model=lambda signs: step_change, entropy=1.498))
+    method.on_optimizer_step()
+    metrics = method.pop_metrics()
+    assert metrics["opefo/step_target"] == pytest.approx(0.5 * (1.5 - 1.498))
+    assert metrics["opefo/step_change"] == pytest.approx(metrics["opefo/step_target"], rel=1e-6)
+    assert step_change(metrics["opefo/lambda_applied"]) == pytest.approx(1e-3, rel=1e-6)
+    assert metrics["opefo/step_change_unweighted"] == pytest.approx(step_change(0.0))
+    with pytest.raises(ValueError, match="MethodContext.entropy"):
+        method.rollout_weights(batch, MethodContext(step_model=lambda signs: step_change))
+
+
+@pytest.mark.parametrize(
+    "settings, says",
+    [
+        (dict(opefo_entropy_target=1.0), "only opefo_balance='step' solves for"),
+        (dict(opefo_balance="step", opefo_entropy_target=-0.1), "mean token entropy"),
+        (dict(opefo_balance="step", opefo_entropy_target=float("nan")), "mean token entropy"),
+        (dict(opefo_balance="step", opefo_entropy_target=1.0, opefo_entropy_target_rate=0.0), r"in \(0, 1\]"),
+        (dict(opefo_low_prob=1.0), r"probability in \(0, 1\)"),
+    ],
+)
+def test_setpoint_and_low_probability_settings_are_checked(settings, says):
+    with pytest.raises(ValueError, match=says):
+        OPEFO(**settings)
+
+
+def test_the_flow_share_of_negligible_tokens_is_logged_and_warned_once_when_the_balance_rests_on_it():
+    batch = random_batch(seed=4)
+    batch.logps = torch.full_like(batch.logps, -0.1)  # every token likely ...
+    batch.logps[:, :10] = -6.0  # ... but ten per sequence, sampled at probability 0.0025
+    method = OPEFO(opefo_lambda=0.0, opefo_lambda_warn=2.0)  # (|lambda*| <= 1: only the new trigger can fire)
+    method.rollout_weights(batch)
+    method.on_optimizer_step()
+    share = method.pop_metrics()["opefo/low_prob_flow_share"]
+    moved = (batch.factor * batch.flow).abs().double()
+    assert share == pytest.approx(float(moved[:, :10].sum() / moved.sum()))
+    assert 0 < share < 0.5
+    lower = OPEFO(opefo_lambda=0.0, opefo_low_prob=0.001)  # the floor is the user's: 0.0025 is not below 0.001
+    lower.rollout_weights(batch)
+    lower.on_optimizer_step()
+    assert lower.pop_metrics()["opefo/low_prob_flow_share"] == 0.0
+    quiet = OPEFO(opefo_lambda=0.0, opefo_lambda_warn=2.0)
+    for _ in range(OPEFO.REGIME_WINDOW):
+        quiet.rollout_weights(batch)
+    assert quiet.regime_warning() is None
+    batch.flow[:, 10:] *= 1e-3  # the flow now sits on the negligible tokens
+    for step in range(OPEFO.REGIME_WINDOW):
+        method.rollout_weights(batch)
+        if step < OPEFO.REGIME_WINDOW - 2:
+            assert method.regime_warning() is None
+    message = method.regime_warning()
+    assert message.startswith(REGIME_GUARD) and "opefo/low_prob_flow_share" in message
+    method.rollout_weights(batch)
+    assert method.regime_warning() is None  # once

@@ -35,6 +35,18 @@ def config(**overrides):
         (dict(method="opefo", clip_cov_ratio=0.1), r"clip_cov_ratio=0.1 is a setting of method='clip_cov'"),
         (dict(entropy_flow_preconditioner="sgd"), "Unknown entropy_flow_preconditioner 'sgd'"),
         (dict(entropy_flow_audit_steps=-1), "entropy_flow_audit_steps must be >= 0"),
+        (dict(entropy_flow_probe_rollouts=0), "entropy_flow_probe_rollouts must be >= 1"),
+        (dict(entropy_flow_probe_rollouts=3), r"entropy_flow_probe_rollouts=3 .*computes no 'param' flow"),
+        (
+            dict(
+                method="grpo",
+                entropy_flow_estimate="param",
+                entropy_flow_diagnostics=False,
+                entropy_flow_probe_rollouts=2,
+            ),
+            r"computes no 'param' flow",
+        ),
+        (dict(opefo_entropy_target=1.0), "only opefo_balance='step' solves for"),
         (dict(opefo_lambda_warn=0.0), "opefo_lambda_warn must be > 0"),
         (dict(entropy_flow_estimate="full", torch_compile=True), "forward hook, which a compiled model does not run"),
         (dict(entropy_flow_estimate="full", fsdp="full_shard"), "not supported under FSDP"),

@@ -3,7 +3,7 @@ pass is the one TRL's own pass computes, for every loss type, and it is written 
 
 import pytest
 import torch
-from trainer_setup import make_config, make_trainer, spy
+from trainer_setup import logged, make_config, make_trainer, spy
 from transformers import TrainerCallback, set_seed
 
 from opefo_trl.trainer.loss_mirror import LOSS_TYPES
@@ -179,3 +179,61 @@ def test_lambda_star_of_the_warm_model_is_its_float64_one_and_ignores_a_1e7_jitt
         jittered, jittered64 = _lambda_star(fp32, batches, seed), _lambda_star(fp64, batches, seed)
         assert abs(jittered - jittered64) < 5e-5, (seed, jittered, jittered64)
         assert abs(jittered - ours) < abs(jittered64 - reference) + 2 * 5e-5
+
+
+def test_a_probe_of_earlier_rollouts_is_what_the_step_balance_holds_and_the_audit_measures(
+    warm_model_path, tiny_dataset, length_reward, tmp_path
+):
+    """entropy_flow_probe_rollouts=3: the estimate of step k sees the micro-batches of the min(k, 3) - 1 rollouts
+    before it; the step balance zeroes the first-order change of the probe's mean entropy, and the audit re-scores
+    the whole probe after the real AdamW step: what it measures is second order, far below what GRPO's step would
+    have changed the same probe by to first order (opefo/step_change_unweighted)."""
+    from opefo_trl.trainer.param_estimate import ParamEstimate
+
+    args = make_config(
+        tmp_path, max_steps=3, learning_rate=1e-5, optim="adamw_torch", max_grad_norm=1e9, entropy_flow_audit_steps=1,
+        entropy_flow_probe_rollouts=3, **STEP_BALANCE,
+    )  # fmt: skip
+    trainer = make_trainer(warm_model_path, tiny_dataset, length_reward, args)
+    probe_sizes = []
+
+    def record(estimate, items):
+        result = estimate(items)
+        probe_sizes.append(len(trainer.param_estimate.probe))
+        return result
+
+    spy(trainer.param_estimate, "estimate", record)
+    assert isinstance(trainer.param_estimate, ParamEstimate)
+    trainer.train()
+    assert probe_sizes == [0, 2, 4]
+    measured, unweighted = (
+        logged(trainer, "entropy_flow/measured_delta"),
+        logged(trainer, "opefo/step_change_unweighted"),
+    )
+    predicted, reached = logged(trainer, "entropy_flow/predicted_delta"), logged(trainer, "opefo/step_change")
+    for step in range(3):  # measured: 1.1e-2, 1.3e-3, 2.4e-2 of GRPO's first order
+        assert abs(reached[step]) <= 1e-6 * abs(unweighted[step])
+        assert abs(predicted[step]) <= 1e-6 * abs(unweighted[step])  # from the gradient the optimizer really applied
+        assert abs(measured[step]) <= 0.1 * abs(unweighted[step]), step
+
+
+def test_an_entropy_setpoint_moves_the_probe_s_entropy_by_the_change_it_asks_for(
+    warm_model_path, tiny_dataset, length_reward, tmp_path
+):
+    """opefo_entropy_target far above the entropy with a small rate asks each step for a rise of rate * gap (~1e-3,
+    a few tenths of what GRPO's step changes); the audit's re-scored change of the probe tracks it to second order."""
+    args = make_config(
+        tmp_path, max_steps=3, learning_rate=1e-5, optim="adamw_torch", max_grad_norm=1e9, entropy_flow_audit_steps=1,
+        entropy_flow_probe_rollouts=2, opefo_entropy_target=10.0, opefo_entropy_target_rate=1e-4, **STEP_BALANCE,
+    )  # fmt: skip
+    trainer = make_trainer(warm_model_path, tiny_dataset, length_reward, args)
+    trainer.train()
+    target, reached = logged(trainer, "opefo/step_target"), logged(trainer, "opefo/step_change")
+    measured, unweighted = (
+        logged(trainer, "entropy_flow/measured_delta"),
+        logged(trainer, "opefo/step_change_unweighted"),
+    )
+    assert len(target) == 3 and all(t > 0 for t in target)
+    for step in range(3):  # measured: 2.9%, 0.35%, 0.23% off the target
+        assert abs(reached[step] - target[step]) <= 1e-5 * abs(unweighted[step] - target[step])  # the solver's
+        assert measured[step] == pytest.approx(target[step], rel=0.1), step
