@@ -37,7 +37,10 @@ def test_the_step_balance_benchmark_reports_the_real_steps(tmp_path, capsys):
     assert summary["max_first_order_over_grpo_same_batch"] <= 1e-3
     assert summary["step1_measured_grpo"] == pytest.approx(runs["grpo"]["first_order"][0], rel=0.05)
     out = capsys.readouterr().out
-    assert "| step | GRPO measured |" in out and "| step | grpo | step_balance | probe_balance | fixed_probe_balance |" in out
+    assert (
+        "| step | GRPO measured |" in out
+        and "| step | grpo | step_balance | probe_balance | fixed_probe_balance |" in out
+    )
 
 
 def test_bad_settings_are_refused_before_any_work(capsys):

@@ -212,8 +212,10 @@ def test_a_probe_of_earlier_rollouts_is_what_the_step_balance_holds_and_the_audi
     )
     predicted, reached = logged(trainer, "entropy_flow/predicted_delta"), logged(trainer, "opefo/step_change")
     for step in range(3):  # measured: 1.1e-2, 1.3e-3, 2.4e-2 of GRPO's first order
-        assert abs(reached[step]) <= 1e-6 * abs(unweighted[step])
-        assert abs(predicted[step]) <= 1e-6 * abs(unweighted[step])  # from the gradient the optimizer really applied
+        assert abs(reached[step]) <= 1e-6 * abs(unweighted[step])  # the root search's residual
+        # From the float32 gradient the optimizer really applied: Adam's first steps divide by |g_i|, so its rounding
+        # shows (4e-8 and 5e-6 of GRPO's under the two kernel settings; benchmarks/step_balance.py: up to 3.5e-4).
+        assert abs(predicted[step]) <= 1e-3 * abs(unweighted[step])
         assert abs(measured[step]) <= 0.1 * abs(unweighted[step]), step
 
 
