@@ -54,7 +54,8 @@ class EntropyFlowSettings:
         "Per-token first-order entropy-change estimate used by OPEFO and the diagnostics: 'opefo' "
         "(-A (1-pi)^2 (log pi + H), the paper's), 'onaction', 'sign', 'full' (exact first order of a tabular softmax; "
         "two extra vocabulary reductions per token), or 'param' (exact first order through the network's trainable "
-        "parameters: one extra forward+backward and two forwards per rollout batch, in float32).",
+        "parameters by forward-mode AD: per micro-batch a gradient forward with two backwards and a forward-mode "
+        "pass, in the parameters' precision).",
     )
     entropy_flow_preconditioner: str = setting(
         "adam",
