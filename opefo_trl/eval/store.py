@@ -16,6 +16,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from opefo_trl.runs.files import read_json_lines
+
 from .benchmarks import Problem, ResolvedBenchmark
 
 logger = logging.getLogger(__name__)
@@ -84,25 +86,11 @@ class SampleStore:
             self._read()
 
     def _read(self) -> None:
-        with open(self.samples_path) as f:
-            lines = f.readlines()
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                if number == len(lines):  # a run killed mid-write leaves a partial last line: drop it
-                    logger.warning("Dropping a truncated last line of %s (interrupted write).", self.samples_path)
-                    self._rewrite_without_last_line(lines)
-                    break
-                raise ValueError(
-                    f"{self.samples_path}, line {number}, is not valid JSON; fix or remove the file."
-                ) from None
-            if number == len(lines) and not line.endswith("\n"):  # whole, but the next append would be glued on
-                with open(self.samples_path, "a") as f:
-                    f.write("\n")
-                logger.warning("Added the newline missing at the end of %s (interrupted write).", self.samples_path)
+        def refuse(number: int, line: str) -> ValueError:
+            return ValueError(f"{self.samples_path}, line {number}, is not valid JSON; fix or remove the file.")
+
+        rows, cut_off = read_json_lines(self.samples_path, refuse)
+        for number, line, record in rows:
             missing = [k for k in RECORD_FIELDS if k not in record] if isinstance(record, dict) else RECORD_FIELDS
             if missing:
                 raise ValueError(
@@ -111,12 +99,16 @@ class SampleStore:
                     "overwrite=True (--overwrite true)."
                 )
             self.samples[(record["benchmark"], record["problem_id"], record["sample_index"])] = record
-
-    def _rewrite_without_last_line(self, lines: list[str]) -> None:
-        tmp = self.samples_path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(lines[:-1])
-        shutil.move(tmp, self.samples_path)
+        if cut_off:  # a run killed mid-write leaves a partial last line: drop it
+            logger.warning("Dropping a truncated last line of %s (interrupted write).", self.samples_path)
+            tmp = self.samples_path + ".tmp"
+            with open(tmp, "w") as f:
+                f.writelines(line if line.endswith("\n") else line + "\n" for _, line, _ in rows)
+            shutil.move(tmp, self.samples_path)
+        elif rows and not rows[-1][1].endswith("\n"):  # whole, but the next append would be glued on
+            with open(self.samples_path, "a") as f:
+                f.write("\n")
+            logger.warning("Added the newline missing at the end of %s (interrupted write).", self.samples_path)
 
     def check_settings(self, settings: dict[str, Any]) -> None:
         """Store ``settings`` on the first run; on a re-run refuse to mix samples drawn with different ones."""

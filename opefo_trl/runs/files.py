@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -99,3 +100,30 @@ def free_bytes(path: str) -> int | None:
         return shutil.disk_usage(path or ".").free
     except OSError:
         return None
+
+
+def read_json_lines(path: str, refuse: Callable[[int, str], Exception]) -> tuple[list[tuple[int, str, Any]], bool]:
+    r"""``(line number, line, value)`` of every non-blank line of a JSON-lines file, and whether its last line was cut
+    off (not valid JSON: what a kill during a write leaves) and dropped; a line before it that is not valid JSON raises
+    ``refuse(number, line)``.
+
+    >>> import tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "log.jsonl")
+    >>> _ = open(path, "w").write('{"step": 1}\n{"step": 2}\n{"st')
+    >>> read_json_lines(path, lambda number, line: ValueError(number))
+    ([(1, '{"step": 1}\n', {'step': 1}), (2, '{"step": 2}\n', {'step': 2})], True)
+    """
+    with open(path) as f:
+        lines = f.readlines()
+    last = max((i for i, line in enumerate(lines, 1) if line.strip()), default=0)
+    rows: list[tuple[int, str, Any]] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((number, line, json.loads(line)))
+        except json.JSONDecodeError:
+            if number == last:
+                return rows, True
+            raise refuse(number, line) from None
+    return rows, False

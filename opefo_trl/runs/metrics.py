@@ -8,10 +8,9 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 
-from opefo_trl.runs.files import METRICS_RE, TRAINER_STATE_NAME, MetricsFileError
+from opefo_trl.runs.files import METRICS_RE, TRAINER_STATE_NAME, MetricsFileError, read_json_lines
 
 
 def read_metrics_lines(path: str) -> tuple[list[str], bool]:
@@ -21,27 +20,19 @@ def read_metrics_lines(path: str) -> tuple[list[str], bool]:
     Raises:
         MetricsFileError: a line before the last is not a JSON object (naming it and the fix).
     """
-    with open(path) as f:
-        lines = f.readlines()
-    last = max((i for i, line in enumerate(lines, 1) if line.strip()), default=0)
-    kept: list[str] = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if number == last:
-                return kept, True
-            record = None
+
+    def refuse(number: int, line: str) -> MetricsFileError:
+        return MetricsFileError(
+            f"{path}, line {number}, is not a metrics record: {line.strip()[:80]!r}. Resuming appends to this "
+            "file and opefo-plot reads it: fix or delete that line (every logged step is also in the "
+            f"checkpoints' {TRAINER_STATE_NAME}), or start afresh with --overwrite_output_dir true."
+        )
+
+    rows, cut_off = read_json_lines(path, refuse)
+    for number, line, record in rows:
         if not isinstance(record, dict):
-            raise MetricsFileError(
-                f"{path}, line {number}, is not a metrics record: {line.strip()[:80]!r}. Resuming appends to this "
-                "file and opefo-plot reads it: fix or delete that line (every logged step is also in the "
-                f"checkpoints' {TRAINER_STATE_NAME}), or start afresh with --overwrite_output_dir true."
-            )
-        kept.append(line if line.endswith("\n") else line + "\n")
-    return kept, False
+            raise refuse(number, line)
+    return [line if line.endswith("\n") else line + "\n" for _, line, _ in rows], cut_off
 
 
 def metrics_files(output_dir: str) -> list[str]:
