@@ -175,7 +175,7 @@ class ParamFlowEstimator:
         tokens = max(self._sum(cast(torch.Tensor, sum(m.sum() for m in [*masks, *probe_masks]))), 1.0)
         entropy_grad, loss_grad = self._zeros(), self._zeros()
         logps_list, entropies_list, coefficient_list, probe_entropies = [], [], [], []
-        entropy_sum = 0.0
+        entropy_sum = torch.zeros((), dtype=torch.float64, device=masks[0].device)  # on the device: no sync
         with torch.enable_grad():
             for batch, mask in zip(batches, masks, strict=True):
                 logps, entropies = self.score(batch)
@@ -185,12 +185,12 @@ class ParamFlowEstimator:
                 logps_list.append(logps.detach())
                 entropies_list.append(entropies.detach())
                 coefficient_list.append(coefficient)
-                entropy_sum += float((entropies.detach().double() * mask).sum())
+                entropy_sum += (entropies.detach().double() * mask).sum()
             for batch, mask in probe:
                 _, entropies = self.score(batch)
                 self._accumulate(entropy_grad, (entropies * mask).sum() / tokens, retain=False)
                 probe_entropies.append(entropies.detach())
-                entropy_sum += float((entropies.detach().double() * mask).sum())
+                entropy_sum += (entropies.detach().double() * mask).sum()
         self._reduce(entropy_grad)
         self._reduce(loss_grad)
         clip = clip_coefficient(global_norm(loss_grad), self.max_grad_norm) if self.optimizer is not None else 1.0
@@ -208,7 +208,7 @@ class ParamFlowEstimator:
             lambda_error=0.0,
             lambda_star=0.0,
             clip=clip,
-            entropy=self._sum(torch.tensor(entropy_sum, dtype=torch.float64, device=masks[0].device)) / tokens,
+            entropy=self._sum(entropy_sum) / tokens,
             probe_entropies=probe_entropies,
         )
         if exact_derivative == 0.0:  # no entropy gradient: no token moves Hbar to first order
