@@ -263,12 +263,16 @@ def validate_args(script_args, training_args, model_args) -> None:
     from opefo_trl.data.loading import local_file_builder, resolve_dataset_source
     from opefo_trl.data.model_files import check_model_name_or_path
     from opefo_trl.data.prompts import get_template
-    from opefo_trl.trainer.checks import check_training_values
+    from opefo_trl.trainer.checks import check_training_values, non_finite_options
 
     if not model_args.model_name_or_path:
         raise ValueError("model_name_or_path is not set: give a hub id or a local model directory.")
     check_model_name_or_path(model_args.model_name_or_path)
     check_training_values(training_args)
+    # The training options are checked with the trainer's own; the model and script options (e.g. lora_dropout) here.
+    non_finite = non_finite_options(model_args) + non_finite_options(script_args)
+    if non_finite:
+        raise ValueError(f"{', '.join(non_finite)}: options must be finite numbers.")
     resolve_dataset_source(
         script_args.dataset_name,
         config=script_args.dataset_config,
@@ -607,6 +611,9 @@ def _train(script_args, training_args, model_args, train_dataset, reward_funcs, 
     trainer.accelerator.wait_for_everyone()
     if run is not None:
         run.publish_final_model(staging)
+    # The processes leave together: one that tears its process group down while another still works has been seen
+    # to abort (SIGABRT in gloo) after a successful run.
+    trainer.accelerator.wait_for_everyone()
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)

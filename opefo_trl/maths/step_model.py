@@ -90,16 +90,28 @@ def compute_dtype(p: torch.Tensor) -> torch.dtype:
 
 
 @torch.no_grad()
-def optimizer_update(optimizer: torch.optim.Optimizer | None, group: dict | None, p: torch.Tensor, grad: torch.Tensor):
+def optimizer_update(
+    optimizer: torch.optim.Optimizer | None,
+    group: dict | None,
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    dtype: torch.dtype | None = None,
+    elements: slice | None = None,
+):
     """The change of ``p`` that ``optimizer.step()`` makes with gradient ``grad``, from the optimizer's state before
     the step (the state is read, not changed); ``group`` is p's parameter group. None: SGD with learning rate 1.
 
     SGD: -lr g. Adam/AdamW exactly as torch computes it: m = beta1 m_prev + (1 - beta1) g,
     v = beta2 v_prev + (1 - beta2) g^2 (amsgrad: the running maximum), update = -lr m / (1 - beta1^t) /
     (sqrt(v / (1 - beta2^t)) + eps), plus AdamW's decoupled weight decay -lr weight_decay p (Adam's coupled one adds
-    weight_decay p to g). Float32 (float64 for float64 parameters)."""
-    dtype = compute_dtype(p)
+    weight_decay p to g). In ``dtype``, by default torch's (float32; float64 for float64 parameters). ``elements``:
+    only these elements of the flattened parameter (``grad`` holds just them; the result is flat)."""
+    dtype = dtype or compute_dtype(p)
     g = grad.to(dtype)
+
+    def part(t: torch.Tensor) -> torch.Tensor:
+        return t.detach() if elements is None else t.detach().reshape(-1)[elements]
+
     if optimizer is None:
         return -g
     assert group is not None, "an optimizer's update needs p's parameter group"
@@ -110,19 +122,19 @@ def optimizer_update(optimizer: torch.optim.Optimizer | None, group: dict | None
     (beta1, beta2), eps, decay = group["betas"], group["eps"], group["weight_decay"]
     decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
     if decay and not decoupled:
-        g = g + decay * p.detach().to(dtype)
+        g = g + decay * part(p).to(dtype)
     step = float(state["step"]) + 1 if state else 1.0
     bias1, bias2 = 1 - beta1**step, 1 - beta2**step
     m = g * ((1 - beta1) / bias1)
     v = g.square().mul_((1 - beta2) / bias2)
     if state:
-        m.add_(state["exp_avg"].to(dtype), alpha=beta1 / bias1)
-        v.add_(state["exp_avg_sq"].to(dtype), alpha=beta2 / bias2)
+        m.add_(part(state["exp_avg"]).to(dtype), alpha=beta1 / bias1)
+        v.add_(part(state["exp_avg_sq"]).to(dtype), alpha=beta2 / bias2)
         if group.get("amsgrad"):
-            torch.maximum(v, state["max_exp_avg_sq"].to(dtype) / bias2, out=v)
+            torch.maximum(v, part(state["max_exp_avg_sq"]).to(dtype) / bias2, out=v)
     update = m.div_(v.sqrt_().add_(eps)).mul_(-lr)
     if decay and decoupled:
-        update.sub_(p.detach().to(dtype), alpha=lr * decay)
+        update.sub_(part(p).to(dtype), alpha=lr * decay)
     return update
 
 
@@ -191,26 +203,35 @@ class StepModel:
     1 + lambda s_t: the step's gradient is clip(lambda) * (a + lambda b), with a the unweighted loss gradient and b
     the gradient of the loss with coefficients s_t c_t (both summed over ranks).
 
-    ``change(lam)`` = <grad Hbar, optimizer_update(clip(lam) (a + lam b))>, evaluated elementwise in float32
-    (float64 for float64 parameters) and summed in float64. The learning rate scales every term, so the root does
-    not depend on it."""
+    ``change(lam)`` = <grad Hbar, optimizer_update(clip(lam) (a + lam b))>, evaluated in float64 chunk by chunk:
+    in float32, a + lam b rounds where it cancels, and at Adam's first step (update ~ g / (|g| + eps)) that rounding,
+    divided by eps, makes change() jump by ~1e-5 of its value between neighbouring lambdas: no root to find. The
+    learning rate scales every term, so the root does not depend on it."""
 
     def __init__(self, optimizer, params, entropy_grad, loss_grad, signed_grad, max_grad_norm: float | None = None):
         self.optimizer, self.params = optimizer, list(params)
         self.entropy_grad, self.a, self.b = entropy_grad, loss_grad, signed_grad
         self.max_grad_norm = max_grad_norm
         self._norms = (inner(self.a, self.a), inner(self.a, self.b), inner(self.b, self.b))
+        self._groups = param_groups(optimizer) if optimizer is not None else {}
         self.evaluations = 0
 
     def clip(self, lam: float) -> float:
         aa, ab, bb = self._norms
         return clip_coefficient(math.sqrt(max(aa + 2 * lam * ab + lam * lam * bb, 0.0)), self.max_grad_norm)
 
+    @torch.no_grad()
     def change(self, lam: float) -> float:
         self.evaluations += 1
-        clip = self.clip(lam)
-        grads = (torch.add(a, b, alpha=lam).mul_(clip) for a, b in zip(self.a, self.b, strict=True))
-        return first_order_change(self.optimizer, self.params, self.entropy_grad, grads)
+        clip, groups, total = self.clip(lam), self._groups, 0.0
+        for p, h, a, b in zip(self.params, self.entropy_grad, self.a, self.b, strict=True):
+            h, a, b = (t.detach().reshape(-1) for t in (h, a, b))
+            for start in range(0, p.numel(), _CHUNK):
+                part = slice(start, start + _CHUNK)
+                g = torch.add(a[part].double(), b[part].double(), alpha=lam).mul_(clip)
+                update = optimizer_update(self.optimizer, groups.get(id(p)), p, g, torch.float64, part)
+                total += float(torch.dot(h[part].double(), update))
+        return total
 
 
 @dataclass

@@ -4,6 +4,7 @@ metrics file, checkpoint / resume with method state."""
 import json
 import os
 import re
+import shutil
 
 import pytest
 
@@ -243,6 +244,7 @@ def test_prompt_longer_than_context_fails_before_model_loading(
         (["--learning_rate", "nan"], ValueError, "learning_rate=nan: must be a finite number"),
         (["--temperature", "nan"], ValueError, "temperature=nan: must be a finite number"),
         (["--max_grad_norm", "inf"], ValueError, "max_grad_norm=inf: must be a finite number"),
+        (["--use_peft", "true", "--lora_dropout", "nan"], ValueError, "lora_dropout=nan: options must be finite"),
         # A model path that does not exist (transformers would raise HFValidationError: "Repo id must be ...").
         (["--model_name_or_path", "./no/model"], FileNotFoundError, "Model path './no/model' does not exist"),
         (["--model_name_or_path", "no such/model"], ValueError, "'no such/model' is neither a local directory nor"),
@@ -259,6 +261,19 @@ def test_bad_options_fail_before_model_loading(
     err = capsys.readouterr().err
     assert err.startswith("opefo-train: error: ") and message in err and "Traceback" not in err
     assert snapshot(tmp_path) == before
+
+
+def test_a_model_folder_without_weights_is_named_before_loading(
+    tiny_model_path, problems_file, tmp_path, no_model_loading, capsys
+):
+    weightless = tmp_path / "model"
+    weightless.mkdir()
+    shutil.copy(os.path.join(tiny_model_path, "config.json"), weightless)
+    argv = ["--config", RECIPE, *_cpu_overrides(str(weightless), problems_file, str(tmp_path / "out"))]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("opefo-train: error: ") and "Traceback" not in err
+    assert f"{weightless} holds no weights (no *.safetensors, pytorch_model*.bin or shard index)" in err
 
 
 def test_missing_model_is_a_clear_error(problems_file, tmp_path):
@@ -465,6 +480,10 @@ def string_reward(completions, **kwargs):
 
 def nan_reward(completions, **kwargs):
     return [float("nan") if i % 2 else 1.0 for i in range(len(completions))]
+
+
+def dict_reward(completions, **kwargs):
+    return {"accuracy": 1.0, "format": 0.0}
 """
 
 
@@ -661,23 +680,28 @@ def test_a_reward_returning_strings_stops_at_its_first_call_without_a_traceback(
     assert not os.path.exists(out)  # no step, no checkpoint, no metrics line, no lock or manifest
 
 
-def test_a_reward_returning_nan_stops_at_its_first_call(
-    tiny_model_path, problems_file, tmp_path, failing_rewards, capsys
+@pytest.mark.parametrize(
+    "reward, message",
+    [
+        # Before: half NaN rewards trained with exit 0 (loss 0, grad-norm 0).
+        ("nan_reward", "returned nan for 4 of 8 completions (first: completion 1); a non-finite reward"),
+        # Before: reported as "returned None".
+        ("dict_reward", "returned {'accuracy': 1.0, 'format': 0.0} (a dict); it must return a list"),
+    ],
+)
+def test_a_reward_returning_nan_or_a_dict_stops_at_its_first_call(
+    reward, message, tiny_model_path, problems_file, tmp_path, failing_rewards, capsys
 ):
-    """Before: half NaN rewards trained with exit 0 (loss 0, grad-norm 0)."""
     argv = [
         "--config",
         RECIPE,
         *_cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "out")),
         "--reward_funcs",
-        f"{failing_rewards}.nan_reward",
+        f"{failing_rewards}.{reward}",
     ]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert (
-        "opefo-train: error: Reward function 'nan_reward' returned nan for 4 of 8 completions (first: completion 1); "
-        "a non-finite reward"
-    ) in err
+    assert f"opefo-train: error: Reward function '{reward}' {message}" in err
     assert "Traceback" not in err
 
 
@@ -832,6 +856,71 @@ def test_a_second_run_into_the_folder_is_refused_at_once_and_a_killed_run_blocks
     assert not (out / LOCK_NAME).exists()
 
 
+def test_an_overwrite_killed_before_its_first_save_is_undone_by_the_next_run(
+    earlier_run, tiny_model_path, problems_file, tmp_path, monkeypatch, capsys, snapshot
+):
+    """kill -9 of an overwrite while it trains (the earlier run set aside, nothing of the new run saved): the next
+    opefo-train moves the earlier run back, byte for byte, before anything else."""
+    import time
+
+    (tmp_path / "opefo_cli_blocking_rewards.py").write_text(BLOCKING_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = snapshot(earlier_run)
+    argv = [
+        "--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(earlier_run), max_steps=2),
+        "--reward_funcs", "opefo_cli_blocking_rewards.blocking_reward",
+    ]  # fmt: skip
+    ready = tmp_path / "ready"
+    overwrite = _start(tmp_path, [*argv, "--overwrite_output_dir", "true"], OPEFO_READY=str(ready), OPEFO_GO="/no")
+    try:
+        deadline = time.time() + 300
+        while not ready.exists() and overwrite.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert ready.exists(), overwrite.communicate()[0].decode()[-3000:]
+        assert not (earlier_run / "checkpoint-2").exists()  # set aside while the new run trains
+    finally:
+        overwrite.kill()
+        overwrite.wait()
+    assert main(argv) == 2  # the next run: the earlier one is back, and refused as an earlier run
+    assert f"output_dir '{earlier_run}' holds an earlier run" in capsys.readouterr().err
+    after = snapshot(earlier_run)
+    assert {k: v for k, v in after.items() if k != LOCK_NAME} == before  # the killed run's lock file stays
+
+
+def test_an_overwrite_whose_first_save_is_its_final_model_keeps_the_earlier_run_until_then(
+    earlier_run, tiny_model_path, problems_file, reward_module, monkeypatch, capsys
+):
+    """No checkpoint (save_strategy no): the earlier run stays set aside through training and is deleted
+    once the final model has landed; if the final model cannot be written, the earlier run is moved back."""
+    import errno
+
+    from opefo_trl.runs import FINAL_MODEL_STAGING, read_manifest
+
+    argv = [
+        "--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(earlier_run), save_strategy="no"),
+        "--reward_funcs", "opefo_cli_test_rewards.digit_overlap_reward", "--overwrite_output_dir", "true",
+    ]  # fmt: skip
+    earlier = sorted(os.listdir(earlier_run))
+    from transformers import Trainer
+
+    real_save_model = Trainer.save_model
+
+    def full_disk(self, output_dir=None, _internal_call=False):
+        assert (earlier_run / ".opefo_overwritten" / "checkpoint-2").exists()  # still set aside, not deleted
+        raise OSError(errno.ENOSPC, "No space left on device", output_dir)
+
+    monkeypatch.setattr(Trainer, "save_model", full_disk)
+    assert main(argv) == 2
+    staging = earlier_run / FINAL_MODEL_STAGING
+    assert f"opefo-train: error: Cannot save the final model {staging}: OSError: [Errno 28]" in capsys.readouterr().err
+    assert sorted(os.listdir(earlier_run)) == earlier  # moved back
+    monkeypatch.setattr(Trainer, "save_model", real_save_model)
+    assert main(argv) == 0
+    assert not (earlier_run / "checkpoint-2").exists() and not (earlier_run / ".opefo_overwritten").exists()
+    assert (earlier_run / "eval" / "samples.jsonl").exists()  # not the run's: kept
+    assert "model.safetensors" in read_manifest(str(earlier_run))
+
+
 def test_a_run_killed_between_the_trainers_files_and_the_method_state_resumes_the_last_whole_checkpoint(
     tiny_model_path, problems_file, tmp_path, reward_module, caplog, capsys
 ):
@@ -922,6 +1011,43 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_no_partial_check
     ]
     assert "Traceback" not in err
     assert snapshot(tmp_path) == before
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 640 KiB tmpfs (the tiny model's weights are 373 KiB, its optimizer state twice that): a real full disk.
+    Mounting needs root; skipped elsewhere."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=640k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def test_a_really_full_disk_during_a_checkpoint_is_one_line_and_leaves_no_partial_checkpoint(
+    small_disk, tiny_model_path, problems_file, reward_module, capsys
+):
+    """torch's own error for a full disk (a RuntimeError from its zip writer, not an OSError) on a real tmpfs: one
+    line naming the checkpoint, and no partial checkpoint left to be picked up."""
+    out = small_disk / "out"
+    argv = [
+        "--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(out), save_steps=1),
+        "--reward_funcs", "opefo_cli_test_rewards.digit_overlap_reward",
+    ]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("opefo-train: error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0].startswith(f"opefo-train: error: Cannot save the checkpoint {out / 'checkpoint-1'}: the disk is ")
+    assert "The unfinished checkpoint was removed. Free space on that disk" in errors[0]
+    assert not (out / "checkpoint-1").exists()
+    from opefo_trl.runs import read_manifest
+
+    assert set(os.listdir(out)) - {MANIFEST_NAME} <= set(read_manifest(str(out)))  # what remains is the run's own
 
 
 def test_probe_prompts_are_set_aside_from_training_and_sampled_as_the_fixed_probe(

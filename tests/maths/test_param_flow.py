@@ -317,6 +317,28 @@ def test_the_exact_step_balance_zeroes_the_real_adamw_step_from_the_first_step(r
         adamw.step(batch, weights, flow.entropy_grad, keep=True)  # the trajectory follows the balanced steps
 
 
+def test_the_step_model_of_float32_parameters_has_a_root_at_adam_s_first_step():
+    """Float32 parameters, Adam's first step (update ~ -lr g / (|g| + eps)), gradients a + lambda b that cross zero
+    inside [-1, 1]: float32 rounding of a + lambda b near a crossing, divided by eps, makes a float32 evaluation jump
+    by ~1e-5 of change(0) between neighbouring lambdas (measured 5.7e-6 on a trainer's first step). Evaluated in
+    float64 the model is continuous and the root is found to the solver's tolerance; each evaluation is still the
+    real float32 step's first-order change up to that step's own rounding."""
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.zeros(20_000, dtype=torch.float32, requires_grad=True)]
+    optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
+    b = torch.randn(20_000, generator=gen) * torch.rand(20_000, generator=gen).pow(4)
+    crossing = torch.rand(20_000, generator=gen) * 1.6 - 0.6  # where a_i + lambda b_i = 0
+    a, h = -crossing * b, torch.randn(20_000, generator=gen)
+    model = StepModel(optimizer, params, [h], [a], [b])
+    balance = solve_step_balance(model.change)
+    assert balance.bracketed and abs(balance.residual) <= 1e-7 * abs(balance.unweighted), balance
+    # The model is the real step's first order: torch's float32 step taken at the root.
+    params[0].grad = (a.double() + balance.lam * b.double()).float()
+    optimizer.step()
+    real = inner([h], [params[0].detach()])
+    assert abs(real - balance.residual) <= 1e-3 * abs(balance.unweighted)
+
+
 def test_solve_step_balance_finds_the_root_and_reports_an_unreachable_one():
     result = solve_step_balance(lambda lam: -2e-3 + 1e-2 * lam + 3e-3 * lam**2)
     assert result.bracketed and abs(result.residual) <= 1e-7 * 2e-3 and result.unweighted == -2e-3
