@@ -2,8 +2,8 @@
 
     >>> from opefo_trl import OPEFOConfig, OPEFOTrainer   # drop-in for GRPOConfig / GRPOTrainer
 
-The maths modules (`entropy_flow`, `vocab_stats`, `methods`, `pass_at_k`) import torch/numpy only; the TRL glue
-(`OPEFOConfig`, `OPEFOTrainer`) is loaded on first use and checks the installed TRL version.
+The algorithm (`opefo_trl.maths`) and the token methods (`opefo_trl.methods`) import torch only; the TRL glue
+(`OPEFOConfig`, `OPEFOTrainer`, `opefo_trl.trainer`) is loaded on first use and checks the installed TRL version.
 """
 
 __version__ = "0.1.0"

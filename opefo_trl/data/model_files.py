@@ -67,7 +67,6 @@ def check_model_name_or_path(name: str) -> None:
 
 
 _WEIGHT_FILE_RE = re.compile(r"(\.safetensors|^(pytorch_model|adapter_model)(-\d+-of-\d+)?\.bin)$")
-_BLOCK = 4096
 #: Besides the weights, what decides what a model generates from a prompt: how the prompt is rendered (the chat
 #: template) and tokenised, how completions are decoded and when they stop (the config, the generation config).
 MODEL_TEXT_FILES = (
@@ -114,35 +113,41 @@ def check_has_weights(directory: str | os.PathLike) -> None:
         )
 
 
-def _safetensors_digest(f, digest) -> None:
-    """Header, then the first, middle and last 4 KiB of every tensor: any trained tensor changes them."""
-    header_size = int.from_bytes(f.read(8), "little")
-    header = f.read(header_size)
-    digest.update(header)
-    tensors = json.loads(header)
-    start = 8 + header_size
-    offsets = sorted(t["data_offsets"] for name, t in tensors.items() if name != "__metadata__")
-    for begin, end in ((start + b, start + e) for b, e in offsets):
-        for offset in sorted({begin, max(begin, (begin + end) // 2 - _BLOCK // 2), max(begin, end - _BLOCK)}):
-            f.seek(offset)
-            digest.update(f.read(min(_BLOCK, end - offset)))
+def _safetensors_digest(path: str | os.PathLike, digest) -> None:
+    """Metadata, then every tensor's name, dtype, shape and its first, middle and last rows (read by safetensors, a
+    row at a time): any trained tensor changes them."""
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(os.fspath(path), framework="pt") as f:
+        digest.update(json.dumps(f.metadata() or {}, sort_keys=True).encode())
+        for name in sorted(f.keys()):
+            part = f.get_slice(name)
+            shape = part.get_shape()
+            digest.update(f"{name}:{part.get_dtype()}:{shape}".encode())
+            if not shape or shape[0] == 0:
+                rows = [f.get_tensor(name)]
+            else:
+                rows = [part[i : i + 1] for i in sorted({0, shape[0] // 2, shape[0] - 1})]
+            for row in rows:
+                digest.update(row.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
 
 
 def weight_file_fingerprint(path: str | os.PathLike) -> str:
     """A content fingerprint of a weight file read in small pieces (no mtime: a copy keeps it, training changes it).
 
-    safetensors: the header and three 4 KiB blocks of every tensor; other files: 64 blocks of 64 KiB spread over
-    the file. Both with the file size. Training moves every trainable tensor, hence its sampled blocks.
+    safetensors: its metadata and the first, middle and last rows of every tensor; other files: 64 blocks of 64 KiB
+    spread over the file. Both with the file size. Training moves every trainable tensor, hence its sampled blocks.
     """
     size = os.path.getsize(path)
     digest = hashlib.sha256(str(size).encode())
+    if os.fspath(path).endswith(".safetensors"):
+        try:
+            _safetensors_digest(path, digest)
+            return digest.hexdigest()[:32]
+        except Exception:  # safetensors cannot read it (a damaged file): fingerprint it as bytes
+            digest = hashlib.sha256(str(size).encode())
     with open(path, "rb") as f:
-        if os.fspath(path).endswith(".safetensors"):
-            try:
-                _safetensors_digest(f, digest)
-                return digest.hexdigest()[:32]
-            except (ValueError, KeyError, TypeError):  # not a readable header: fingerprint it as bytes
-                digest = hashlib.sha256(str(size).encode())
         block = 1 << 16
         for offset in sorted({min(i * size // 64, max(0, size - block)) for i in range(64)}):
             f.seek(offset)

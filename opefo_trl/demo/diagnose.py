@@ -64,13 +64,15 @@ def diagnostic_trainer_class() -> type[OPEFOTrainer]:
     from opefo_trl.maths.step_model import adam_preconditioner, first_order_change, inner, param_groups
     from opefo_trl.trainer.batch_state import per_token
     from opefo_trl.trainer.param_estimate import RolloutItem
+    from opefo_trl.trainer.parts import build_param_estimate
 
     class DiagnosticTrainer(OPEFOTrainer):
         records: list[dict]
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.reference = self._param_estimate()  # the parameter-space flow, whatever the run's own estimate
+            # the parameter-space flow, whatever the run's own estimate
+            self.reference = build_param_estimate(self, self.scorer, self.loss_mirror)
             self.add_callback(BeforeOptimizerStep(self))
 
         def train(self, *args, **kwargs):
@@ -100,7 +102,6 @@ def diagnostic_trainer_class() -> type[OPEFOTrainer]:
             advantages_per_token = per_token(batch["advantages"], batch["completion_mask"]).float()
             item = RolloutItem(dict(batch), advantages_per_token, captured)
             _, flow = self.reference.estimate([item])
-            alignment = torch.cat([u.flatten() for u in flow.alignment])
             alignment = torch.cat([u.flatten() for u in flow.alignment])
             self._reference_entropy_grad = flow.entropy_grad  # grad Hbar, for the step's first-order change
 
@@ -157,7 +158,7 @@ def diagnostic_trainer_class() -> type[OPEFOTrainer]:
             # part of it Adam's momentum carries: update = -lr (c1 g + c2 m_prev) D, D = 1 / (sqrt(v_hat) + eps)
             # with this g in v_hat, so the momentum's part is -lr c2 m_prev D.
             trainer = self.trainer
-            optimizer, params = trainer._torch_optimizer(), trainer._trainable_parameters()
+            optimizer, params = trainer.access.torch_optimizer(), trainer.access.trainable_parameters()
             entropy_grad, record = trainer._reference_entropy_grad, trainer.records[-1]
             record["predicted"] = first_order_change(optimizer, params, entropy_grad, (p.grad for p in params))
             groups, momentum = param_groups(optimizer), 0.0

@@ -16,14 +16,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from opefo_trl.runs.files import read_json_lines
+from opefo_trl.runs.files import RUN_CONFIG_FILE, SAMPLES_FILE, read_json_lines
 
 from .benchmarks import Problem, ResolvedBenchmark
 
 logger = logging.getLogger(__name__)
 
-SAMPLES_FILE = "samples.jsonl"
-RUN_CONFIG_FILE = "run_config.json"
 #: Settings key of the weight files' fingerprints (`ModelSource.weight_fingerprints`) the samples were drawn from.
 WEIGHTS_KEY = "weights"
 #: Settings key of the fingerprints of the tokenizer, chat template, config and generation config
@@ -132,7 +130,7 @@ class SampleStore:
     def _model_changed(self, key: str, stored: dict | None, current: dict, model: str | None) -> str:
         short, described, cause = _CHANGES[key]
         if stored is None:
-            what = f"{described} this opefo-eval did not record (an earlier version wrote them)"
+            what = f"{described} it has no record of (a store written without them)"
         else:
             files = sorted(k for k in stored.keys() | current.keys() if stored.get(k) != current.get(k))
             what = f"other {short}: {', '.join(files)} changed since (e.g. {cause.format(model=model)})"

@@ -183,6 +183,24 @@ class FlowStats:
             f"{prefix}decrease_token_frac": float(self.decrease_tokens / tokens),
         }
 
+    def shares_of(self, whole: FlowStats, prefix: str) -> dict[str, float]:
+        """The shares of ``whole``'s increase flow, decrease flow and tokens that these sums (of a subset of its
+        tokens) hold (0 where ``whole`` has none).
+
+        >>> part = FlowStats(*torch.tensor([1.0, 0.0, 1.0, 0.0, 2.0]))
+        >>> part.shares_of(FlowStats(*torch.tensor([4.0, 3.0, 2.0, 2.0, 8.0])), "x_")
+        {'x_increase_share': 0.25, 'x_decrease_share': 0.0, 'x_token_frac': 0.25}
+        """
+
+        def share(part: torch.Tensor, total: torch.Tensor) -> float:
+            return float(part / total) if float(total) > 0 else 0.0
+
+        return {
+            f"{prefix}increase_share": share(self.increase, whole.increase),
+            f"{prefix}decrease_share": share(self.decrease, whole.decrease),
+            f"{prefix}token_frac": share(self.tokens, whole.tokens),
+        }
+
 
 @torch.no_grad()
 def flow_stats(flow: torch.Tensor, factor: torch.Tensor) -> FlowStats:

@@ -11,15 +11,26 @@ Example:
     >>> import torch
     >>> h = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True); W = torch.randn(7, 4, dtype=torch.float64)
     >>> targets = torch.randint(0, 7, (2, 3))
-    >>> logps, entropies = policy_log_probs(h, W, None, targets, temperature=0.5, token_chunk_size=2)
+    >>> logps, entropies, _ = policy_log_probs(h, W, None, targets, temperature=0.5, token_chunk_size=2)
     >>> logp = torch.log_softmax(h @ W.T / 0.5, -1)
     >>> bool(torch.allclose(logps, logp.gather(-1, targets[..., None])[..., 0]))
     True
     >>> bool(torch.allclose(entropies, -(logp.exp() * logp).sum(-1)))
     True
+
+With ``entropy_tokens`` (a set of token ids) it also returns the entropy of the policy renormalised over them,
+-sum_{k in S} q_k log q_k with q = softmax(z_S), which probability on tokens outside S does not change:
+    >>> digits = torch.tensor([1, 4, 5])
+    >>> _, _, digit_entropies = policy_log_probs(h, W, None, targets, temperature=0.5, entropy_tokens=digits)
+    >>> q = torch.softmax(h @ W[digits].T / 0.5, -1)
+    >>> bool(torch.allclose(digit_entropies, -(q * q.log()).sum(-1)))
+    True
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -28,15 +39,15 @@ from torch.utils.checkpoint import checkpoint
 CHUNK_ELEMENTS = 1 << 22
 
 
-def _chunk(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    temperature: float,
-    logit_scale: float,
-    softcap: float | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+class PolicyScores(NamedTuple):
+    """log pi_t and H_t of the sampled tokens, and the entropy over ``entropy_tokens`` (None without them)."""
+
+    logps: torch.Tensor
+    entropies: torch.Tensor
+    token_set_entropies: torch.Tensor | None
+
+
+def _logits(hidden, weight, bias, temperature: float, logit_scale: float, softcap: float | None) -> torch.Tensor:
     z = hidden @ weight.T
     if bias is not None:
         z = z + bias
@@ -44,8 +55,25 @@ def _chunk(
         z = z * logit_scale
     if softcap is not None:
         z = torch.tanh(z / softcap) * softcap
-    logp = torch.log_softmax(z / temperature, dim=-1)
-    return logp.gather(-1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+    return z / temperature
+
+
+def _entropy(logp: torch.Tensor) -> torch.Tensor:
+    return -(logp.exp() * logp).sum(-1)
+
+
+def _chunk(hidden, weight, bias, targets, temperature, logit_scale, softcap) -> tuple[torch.Tensor, torch.Tensor]:
+    logp = torch.log_softmax(_logits(hidden, weight, bias, temperature, logit_scale, softcap), dim=-1)
+    return logp.gather(-1, targets[:, None])[:, 0], _entropy(logp)
+
+
+def _chunk_with_token_set(
+    hidden, weight, bias, targets, temperature, logit_scale, softcap, entropy_tokens
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    z = _logits(hidden, weight, bias, temperature, logit_scale, softcap)
+    logp = torch.log_softmax(z, dim=-1)
+    token_set = torch.log_softmax(z[:, entropy_tokens], dim=-1)
+    return logp.gather(-1, targets[:, None])[:, 0], _entropy(logp), _entropy(token_set)
 
 
 def policy_log_probs(
@@ -58,21 +86,25 @@ def policy_log_probs(
     logit_scale: float = 1.0,
     softcap: float | None = None,
     token_chunk_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log pi_t, H_t), each of ``targets``' shape, in the precision of ``hidden`` and ``weight`` promoted with
-    float32; ``hidden`` (..., d) holds the hidden states that predict ``targets`` (...). ``token_chunk_size``:
-    tokens per chunk (default: ``CHUNK_ELEMENTS`` logits)."""
+    entropy_tokens: torch.Tensor | None = None,
+) -> PolicyScores:
+    """(log pi_t, H_t, H_t over ``entropy_tokens`` or None), each of ``targets``' shape, in the precision of
+    ``hidden`` and ``weight`` promoted with float32; ``hidden`` (..., d) holds the hidden states that predict
+    ``targets`` (...). ``token_chunk_size``: tokens per chunk (default: ``CHUNK_ELEMENTS`` logits)."""
     if token_chunk_size is None:
         token_chunk_size = max(1, CHUNK_ELEMENTS // weight.shape[0])
     dtype = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
     flat, flat_targets = hidden.reshape(-1, hidden.shape[-1]).to(dtype), targets.reshape(-1)
     weight = weight.to(dtype)
     bias = None if bias is None else bias.to(dtype)
-    logps, entropies = [], []
+    chunk: Callable[..., tuple[torch.Tensor, ...]] = _chunk
+    extra: tuple = ()
+    if entropy_tokens is not None:
+        chunk, extra = _chunk_with_token_set, (entropy_tokens.to(flat.device),)
+    parts: list[tuple[torch.Tensor, ...]] = []
     for start in range(0, flat.shape[0], token_chunk_size):
         rows = slice(start, start + token_chunk_size)
-        args = (flat[rows], weight, bias, flat_targets[rows], temperature, logit_scale, softcap)
-        logp, entropy = checkpoint(_chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk(*args)
-        logps.append(logp)
-        entropies.append(entropy)
-    return torch.cat(logps).reshape(targets.shape), torch.cat(entropies).reshape(targets.shape)
+        args = (flat[rows], weight, bias, flat_targets[rows], temperature, logit_scale, softcap, *extra)
+        parts.append(checkpoint(chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else chunk(*args))
+    joined = [torch.cat(column).reshape(targets.shape) for column in zip(*parts, strict=True)]
+    return PolicyScores(joined[0], joined[1], joined[2] if entropy_tokens is not None else None)

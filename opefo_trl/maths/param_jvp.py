@@ -72,6 +72,38 @@ def _cast(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if x is None else x.to(dtype)
 
 
+class _RunningSums:
+    """S, Sd, Sz, Szd of the module docstring over the vocabulary tiles folded so far, relative to the running
+    maximum m; with ``keep``, over the kept columns only."""
+
+    def __init__(self, n: int, dtype: torch.dtype, device: torch.device):
+        self.m = torch.full((n,), float("-inf"), dtype=dtype, device=device)
+        self.s, self.sd, self.sz, self.szd = (torch.zeros(n, dtype=dtype, device=device) for _ in range(4))
+
+    def fold(self, z: torch.Tensor, dz: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        tile_max = z.amax(1) if keep is None else z.masked_fill(~keep, float("-inf")).amax(1)
+        new_m = torch.maximum(self.m, tile_max)
+        shift = torch.where(torch.isfinite(self.m), self.m - new_m, torch.zeros_like(self.m))  # 0 on the first tile
+        r = shift.exp()
+        if keep is None:
+            centred = z - new_m.unsqueeze(1)  # z - m'
+            e = centred.exp()
+        else:  # rows without a kept column yet keep a maximum of -inf: centre them on 0, their e is 0 anyway
+            centred = z - torch.where(torch.isfinite(new_m), new_m, torch.zeros_like(new_m)).unsqueeze(1)
+            e = torch.where(keep, centred.exp(), torch.zeros_like(centred))
+        ez = e * centred
+        self.sz = r * (self.sz + shift * self.s) + ez.sum(1)
+        self.szd = r * (self.szd + shift * self.sd) + torch.linalg.vecdot(ez, dz)
+        self.sd = r * self.sd + torch.linalg.vecdot(e, dz)
+        self.s = r * self.s + e.sum(1)
+        self.m = new_m
+
+    def entropy(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """H = log S - Sz / S and dH = -(Szd / S - (Sz / S) (Sd / S))."""
+        mean_z, mean_dz = self.sz / self.s, self.sd / self.s  # E[z - m], E[dz]
+        return self.s.log() - mean_z, -(self.szd / self.s - mean_z * mean_dz)
+
+
 @torch.no_grad()
 def head_jvp(
     hidden: torch.Tensor,
@@ -88,6 +120,7 @@ def head_jvp(
     compute_dtype: torch.dtype = torch.float64,
     token_chunk_size: int = 256,
     vocab_chunk_size: int = 4096,
+    entropy_tokens: torch.Tensor | None = None,
 ) -> HeadJVP:
     """log pi, H and their tangents at every position (formulas in the module docstring).
 
@@ -101,6 +134,8 @@ def head_jvp(
         compute_dtype: dtype of all the arithmetic, the projections included (inputs are cast tile by tile).
         token_chunk_size, vocab_chunk_size: tile shape. Peak extra memory: about four [token_chunk, vocab_chunk]
             tiles plus the [vocab_chunk, H] slices of W and dW, in compute_dtype, and the inputs cast to it.
+        entropy_tokens: token ids S: H and its tangent are then those of the policy renormalised over S
+            (q = softmax(z_S); the same sums over the tiles' columns in S, against a running maximum of their own).
 
     Returns HeadJVP of tensors of the targets' shape, in compute_dtype; no autograd graph.
     """
@@ -131,14 +166,19 @@ def head_jvp(
     flat_tangent = None if hidden_tangent is None else hidden_tangent.reshape(flat.shape)
     num_tokens, device = flat.shape[0], flat.device
     out = HeadJVP(*(torch.empty(num_tokens, dtype=dtype, device=device) for _ in range(4)))
+    in_token_set = None
+    if entropy_tokens is not None:
+        in_token_set = torch.zeros(vocab, dtype=torch.bool, device=device)
+        in_token_set[entropy_tokens.to(device)] = True
 
     for t0 in range(0, num_tokens, token_chunk_size):
         h = flat[t0 : t0 + token_chunk_size].to(dtype)
         dh = _cast(None if flat_tangent is None else flat_tangent[t0 : t0 + token_chunk_size], dtype)
         target = flat_targets[t0 : t0 + token_chunk_size]
         n = h.shape[0]
-        m = torch.full((n,), float("-inf"), dtype=dtype, device=device)
-        s, sd, sz, szd, z_target, dz_target = (torch.zeros(n, dtype=dtype, device=device) for _ in range(6))
+        sums = _RunningSums(n, dtype, device)
+        token_set = None if in_token_set is None else _RunningSums(n, dtype, device)
+        z_target, dz_target = (torch.zeros(n, dtype=dtype, device=device) for _ in range(2))
         for v0 in range(0, vocab, vocab_chunk_size):
             tile = slice(v0, v0 + vocab_chunk_size)
             w = weight[tile].to(dtype)
@@ -165,26 +205,17 @@ def head_jvp(
             index = local.clamp(0, z.shape[1] - 1).unsqueeze(1)
             z_target = torch.where(inside, z.gather(1, index).squeeze(1), z_target)
             dz_target = torch.where(inside, dz.gather(1, index).squeeze(1), dz_target)
-            # Fold the tile into the running sums relative to the running maximum.
-            new_m = torch.maximum(m, z.amax(1))
-            shift = torch.where(torch.isfinite(m), m - new_m, torch.zeros_like(m))  # 0 on the first tile
-            r = shift.exp()
-            z.sub_(new_m.unsqueeze(1))  # z - m'
-            e = z.exp()
-            ez = e * z
-            sz = r * (sz + shift * s) + ez.sum(1)
-            szd = r * (szd + shift * sd) + torch.linalg.vecdot(ez, dz)
-            sd = r * sd + torch.linalg.vecdot(e, dz)
-            s = r * s + e.sum(1)
-            m = new_m
-            del y, dy, z, dz, e, ez
-        log_s = s.log()
-        mean_z, mean_dz = sz / s, sd / s  # E[z - m], E[dz]
+            if token_set is not None:
+                assert in_token_set is not None
+                token_set.fold(z, dz, in_token_set[tile])
+            sums.fold(z, dz)
+            del y, dy, z, dz
         rows = slice(t0, t0 + n)
-        out.logps[rows] = z_target - m - log_s
-        out.entropies[rows] = log_s - mean_z
-        out.logps_tangent[rows] = dz_target - mean_dz
-        out.entropies_tangent[rows] = -(szd / s - mean_z * mean_dz)
+        log_s = sums.s.log()
+        out.logps[rows] = z_target - sums.m - log_s
+        out.logps_tangent[rows] = dz_target - sums.sd / sums.s
+        entropy_sums = sums if token_set is None else token_set
+        out.entropies[rows], out.entropies_tangent[rows] = entropy_sums.entropy()
 
     return HeadJVP(*(x.reshape(targets.shape) for x in out))
 
@@ -241,7 +272,7 @@ def _core_model(model: torch.nn.Module) -> torch.nn.Module:
 def _check_pass(model: torch.nn.Module, core: torch.nn.Module) -> str:
     """Refuse the settings under which the forward-mode pass would be wrong or fail; return the attention
     implementation."""
-    # transformers 5 renamed is_gradient_checkpointing (deprecated) to is_activation_checkpointing.
+    # transformers >= 5: is_activation_checkpointing (is_gradient_checkpointing is its deprecated alias).
     flag = (
         "is_activation_checkpointing"
         if hasattr(type(core), "is_activation_checkpointing")
@@ -297,6 +328,7 @@ def completion_jvp(
     compute_dtype: torch.dtype = torch.float64,
     token_chunk_size: int = 256,
     vocab_chunk_size: int = 4096,
+    entropy_tokens: torch.Tensor | None = None,
 ) -> HeadJVP:
     """log pi_t, H_t, u_t = d log pi_t and dH_t along ``tangents`` for the last ``logits_to_keep`` tokens, (B, T).
 
@@ -309,7 +341,7 @@ def completion_jvp(
             parameter, not both); parameters not named have a zero tangent. ``named_tangents`` builds it from
             parallel lists. Tangents are cast to their parameter's dtype.
         temperature, logit_scale, softcap: the sampling policy's logit transform (no defaults: a wrong one is silent).
-        compute_dtype, token_chunk_size, vocab_chunk_size: those of ``head_jvp``.
+        compute_dtype, token_chunk_size, vocab_chunk_size, entropy_tokens: those of ``head_jvp``.
 
     How: the backbone (``model.get_decoder()``, up to and including the final norm) runs once in forward mode,
     ``torch.func.functional_call`` substituting dual tensors (``torch.autograd.forward_ad``) for the parameters that
@@ -385,6 +417,7 @@ def completion_jvp(
         compute_dtype=compute_dtype,
         token_chunk_size=token_chunk_size,
         vocab_chunk_size=vocab_chunk_size,
+        entropy_tokens=entropy_tokens,
     )
     if not all(bool(torch.isfinite(x).all()) for x in result):
         raise ValueError(

@@ -47,7 +47,8 @@ logger = logging.getLogger(__name__)
 
 
 def checkpoints(output_dir: str) -> list[tuple[int, str]]:
-    """``(step, path)`` of every ``checkpoint-<step>`` folder of ``output_dir``, by step, whole or not."""
+    """``(step, path)`` of every ``checkpoint-<step>`` folder of ``output_dir``, by step, whole or not (transformers'
+    ``get_last_checkpoint`` gives the last one only; the previous whole one is looked for among these)."""
     if not os.path.isdir(output_dir):
         return []
     found = []

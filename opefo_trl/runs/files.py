@@ -32,6 +32,9 @@ METRICS_RE = re.compile(r"^metrics(\.rank\d+)?\.jsonl$")
 WEIGHTS_RE = re.compile(r"^(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
 #: What `Trainer` writes with `torch.save` into a checkpoint (zip archives since torch 1.6).
 TORCH_SAVE_RE = re.compile(r"\.(pt|pth|bin)$")
+#: The files of an opefo-eval sample store (``opefo_trl.eval.store``); a folder holding one is the user's, not a run's.
+SAMPLES_FILE = "samples.jsonl"
+RUN_CONFIG_FILE = "run_config.json"
 #: Free space under which a failed write is taken for a full disk (torch and safetensors raise errors of their own).
 LOW_SPACE = 64 << 20
 

@@ -31,6 +31,8 @@ from opefo_trl.runs.files import (
     FINAL_MODEL_STAGING,
     LOCK_NAME,
     MANIFEST_NAME,
+    RUN_CONFIG_FILE,
+    SAMPLES_FILE,
     SET_ASIDE_DIR,
     RunFolderBusy,
     RunFolderError,
@@ -98,8 +100,6 @@ def run_files(output_dir: str) -> list[str]:
 
 
 def _is_eval_store(path: str) -> bool:
-    from opefo_trl.eval.store import RUN_CONFIG_FILE, SAMPLES_FILE
-
     return any(os.path.isfile(os.path.join(path, name)) for name in (SAMPLES_FILE, RUN_CONFIG_FILE))
 
 

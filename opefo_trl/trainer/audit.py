@@ -99,7 +99,7 @@ class EntropyAudit(TrainerCallback):
         sums = torch.zeros(2, dtype=torch.float64, device=self.device())
         for audited in self.batches:
             rescore = self.score_full_precision if audited.full_precision else self.score
-            after = rescore(audited.batch).entropies
+            after = rescore(audited.batch).measured_entropies
             mask = self.loss_mask(audited.batch).double()
             sums += torch.stack([((after.double() - audited.entropies.double()) * mask).sum(), mask.sum()])
         sums = self.reduce_sum(sums)

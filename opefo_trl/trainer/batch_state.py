@@ -23,13 +23,20 @@ MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "token_type_i
 
 @dataclass
 class Scores:
-    """One scoring forward's per-token statistics of the completion tokens, (B, T) each: log pi_t and H_t, and for the
-    `full` estimate sum_k pi_k^2 and sum_k pi_k^2 log pi_k."""
+    """One scoring forward's per-token statistics of the completion tokens, (B, T) each: log pi_t and H_t, for the
+    `full` estimate sum_k pi_k^2 and sum_k pi_k^2 log pi_k, and with ``entropy_flow_entropy='task_tokens'`` the
+    entropy of the policy renormalised over the task's tokens."""
 
     logps: torch.Tensor
     entropies: torch.Tensor
     sum_sq_probs: torch.Tensor | None = None
     sum_sq_probs_log_probs: torch.Tensor | None = None
+    token_set_entropies: torch.Tensor | None = None
+
+    @property
+    def measured_entropies(self) -> torch.Tensor:
+        """The entropy the `param` flow measures (and the audit re-measures): over the task's tokens, or H_t."""
+        return self.entropies if self.token_set_entropies is None else self.token_set_entropies
 
     def detached(self) -> Scores:
         return self._map(torch.Tensor.detach)
@@ -42,7 +49,10 @@ class Scores:
         def apply(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else function(t)
 
-        return Scores(function(self.logps), function(self.entropies), *map(apply, self.vocab))
+        sum_sq, sum_sq_log = map(apply, self.vocab)
+        return Scores(
+            function(self.logps), function(self.entropies), sum_sq, sum_sq_log, apply(self.token_set_entropies)
+        )
 
     @property
     def vocab(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:

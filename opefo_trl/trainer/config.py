@@ -41,6 +41,7 @@ TRL_CHOICES = {
     "importance_sampling_level": ("token", "sequence"),
 }
 PRECONDITIONERS = ("adam", "none")
+ENTROPIES = ("vocabulary", "task_tokens")
 #: TrainingArguments.optim values whose optimizer each `param` preconditioner models exactly (torch's own).
 PRECONDITIONER_OPTIMS = {"adam": ("adamw_torch", "adamw_torch_fused"), "none": ("sgd",)}
 
@@ -76,6 +77,20 @@ class EntropyFlowSettings:
         True,
         "Log the entropy flow every optimizer step produces (entropy_flow/lambda, increase, decrease, net, token "
         "fractions) for every method. Cheap for the log-prob based estimates.",
+    )
+    entropy_flow_task_tokens: list[int] | None = setting(
+        None,
+        "Token ids the task's answers are written in (e.g. the digit tokens of numeric answers). With the diagnostics, "
+        "each optimizer step also logs entropy_flow/off_task_{increase_share,decrease_share,token_frac}: the shares "
+        "of the increase flow, of the decrease flow and of the tokens carried by sampled tokens outside this set. "
+        "entropy_flow_entropy='task_tokens' measures the entropy over them.",
+    )
+    entropy_flow_entropy: str = setting(
+        "vocabulary",
+        "'param' estimate: the token entropy whose first-order change the flow measures, OPEFO balances and the "
+        "audit re-measures. 'vocabulary': the policy's entropy over the whole vocabulary (the paper's); "
+        "'task_tokens': the entropy of the policy renormalised over entropy_flow_task_tokens, which probability "
+        "moved onto other tokens cannot raise.",
     )
     entropy_flow_audit_steps: int = setting(
         0,
@@ -194,6 +209,33 @@ def check_estimate_backend(estimate: str, *, deepspeed: bool, fsdp: bool, compil
         )
 
 
+def _check_task_tokens(args, method_class: type[TokenMethod]) -> None:
+    tokens = args.entropy_flow_task_tokens
+    if tokens is not None and (
+        not tokens or len(set(tokens)) != len(tokens) or any(not isinstance(t, int) or t < 0 for t in tokens)
+    ):
+        raise ValueError(
+            f"entropy_flow_task_tokens must be distinct token ids >= 0 (e.g. those of the digits, from "
+            f"tokenizer.convert_tokens_to_ids); got {tokens}."
+        )
+    if args.entropy_flow_entropy != "task_tokens":
+        return
+    if tokens is None:
+        raise ValueError(
+            "entropy_flow_entropy='task_tokens' measures the entropy over entropy_flow_task_tokens, which is not set: "
+            "give the task's token ids (e.g. the digits'), or use entropy_flow_entropy='vocabulary'."
+        )
+    computes_param = args.entropy_flow_estimate == "param" and (
+        method_class.needs_rollout_pass or args.entropy_flow_diagnostics
+    )
+    if not computes_param:
+        raise ValueError(
+            "entropy_flow_entropy='task_tokens' sets the entropy the 'param' flow measures, but this configuration "
+            f"computes no 'param' flow (entropy_flow_estimate={args.entropy_flow_estimate!r}, method={args.method!r}). "
+            "Set entropy_flow_estimate='param', or remove the option."
+        )
+
+
 def validate_opefo_settings(args) -> None:
     """Check the OPEFO options of ``args`` (an OPEFOConfig, or a GRPOConfig given them by `with_opefo_settings`).
 
@@ -210,6 +252,8 @@ def validate_opefo_settings(args) -> None:
     method_class.check_config(args)
     check_choice("entropy_flow_estimate", args.entropy_flow_estimate, FLOW_ESTIMATES)
     check_choice("entropy_flow_preconditioner", args.entropy_flow_preconditioner, PRECONDITIONERS)
+    check_choice("entropy_flow_entropy", args.entropy_flow_entropy, ENTROPIES)
+    _check_task_tokens(args, method_class)
     if args.entropy_flow_audit_steps < 0:
         raise ValueError(f"entropy_flow_audit_steps must be >= 0 (0: off); got {args.entropy_flow_audit_steps}.")
     if args.vocab_stats_token_chunk_size < 1 or args.vocab_stats_vocab_chunk_size < 1:

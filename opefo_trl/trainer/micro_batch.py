@@ -60,6 +60,7 @@ class MicroBatchWeigher:
     loss: TRL's loss factor and aggregation.
     reduce_sum: sums a tensor over ranks; ``log_metrics``: where metrics go; ``main_process``: warnings go there.
     params: the trainable parameters, whose ``.grad`` a rollout's written gradient goes into.
+    task_tokens: ``entropy_flow_task_tokens``: the diagnostics also log the shares of the flow sampled outside them.
     """
 
     def __init__(
@@ -73,11 +74,14 @@ class MicroBatchWeigher:
         log_metrics: Callable[[dict[str, float]], None],
         main_process: bool,
         params: Callable[[], list[torch.Tensor]] = list,
+        task_tokens: torch.Tensor | None = None,
     ):
         self.method, self.estimate, self.diagnostics, self.rollout_flow = method, estimate, diagnostics, rollout_flow
         self.loss, self.log_metrics, self.main_process, self.params = loss, log_metrics, main_process, params
+        self.task_tokens = task_tokens
         self.context = MethodContext(reduce_sum)
         self.step_flow: FlowStats | None = None  # the unweighted (GRPO) update's flow, summed over the step
+        self.step_off_task: FlowStats | None = None  # its part sampled outside the task's tokens
 
     def needs_vocab_stats(self, state: MicroBatchState | None) -> bool:
         """Whether the loss forward's `full` statistics are needed (the rollout pass did not compute them)."""
@@ -121,6 +125,10 @@ class MicroBatchWeigher:
         if unit is not None and self.diagnostics:
             stats = flow_stats(original * unit, factor)
             self.step_flow = stats if self.step_flow is None else self.step_flow + stats
+            if self.task_tokens is not None:
+                off_task = ~torch.isin(inputs["completion_ids"], self.task_tokens)
+                stats = flow_stats(original * unit, factor * off_task)
+                self.step_off_task = stats if self.step_off_task is None else self.step_off_task + stats
         if state is not None and state.audit_entropies is not None:
             call.entropies_before, call.full_precision = state.audit_entropies, True
         else:
@@ -145,8 +153,12 @@ class MicroBatchWeigher:
         self.method.on_optimizer_step(self.context)
         self.log_metrics(self.method.pop_metrics())
         if self.step_flow is not None:
-            self.log_metrics(FlowStats.from_tensor(self.context.reduce_sum(self.step_flow.to_tensor())).metrics())
-            self.step_flow = None
+            step = FlowStats.from_tensor(self.context.reduce_sum(self.step_flow.to_tensor()))
+            self.log_metrics(step.metrics())
+            if self.step_off_task is not None:
+                off_task = FlowStats.from_tensor(self.context.reduce_sum(self.step_off_task.to_tensor()))
+                self.log_metrics(off_task.shares_of(step, "entropy_flow/off_task_"))
+            self.step_flow, self.step_off_task = None, None
         message = self.method.regime_warning()
         if message and self.main_process:
             warnings.warn(message, stacklevel=3)

@@ -35,6 +35,7 @@ class RolloutItem:
     batch: dict
     advantages: torch.Tensor
     scores: Scores | None = None
+    full_precision: Scores | None = None  # the estimate's own (detached) scores of the micro-batch
     factor: torch.Tensor | None = None
     unit_flow: torch.Tensor | None = None
     audit_entropies: torch.Tensor | None = None
@@ -96,7 +97,8 @@ class ParamEstimate:
 
     def _score(self, item: RolloutItem) -> tuple[torch.Tensor, torch.Tensor]:
         scores = self.score(item.batch)
-        return scores.logps, scores.entropies
+        item.full_precision = scores.detached()
+        return scores.logps, scores.measured_entropies
 
     def _estimator(self) -> ParamFlowEstimator:
         params = self.params()
@@ -115,8 +117,9 @@ class ParamEstimate:
         estimator = self._estimator()
 
         def coefficients(item: RolloutItem, logps: torch.Tensor, entropies: torch.Tensor) -> torch.Tensor:
-            if item.scores is None:
-                item.scores = Scores(logps.float(), entropies.float())
+            assert item.full_precision is not None  # scored just now by _score
+            if item.scores is None:  # TRL's loss and its entropy mask read H_t, whatever entropy the flow measures
+                item.scores = Scores(logps.float(), item.full_precision.entropies.float())
             item.audit_entropies = entropies
             item.factor = self.loss.factor(item.batch, item.scores.logps, item.scores.entropies, item.advantages)
             return item.factor * item.advantages

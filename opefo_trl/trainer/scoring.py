@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -82,6 +82,9 @@ class Scorer:
         batch_size: the micro-batch size TRL scores in (``per_device_train_batch_size``).
         checkpointing_kwargs: ``gradient_checkpointing_kwargs``.
         token_chunk_size, vocab_chunk_size: tiles of the vocabulary pass.
+        entropy_tokens: the token ids whose renormalised entropy the full-precision forward and the forward-mode pass
+            measure too (``Scores.token_set_entropies``; the `param` flow's entropy with
+            ``entropy_flow_entropy='task_tokens'``).
     """
 
     model: Callable[[], Any]
@@ -94,9 +97,36 @@ class Scorer:
     checkpointing_kwargs: dict | None = None
     token_chunk_size: int = 512
     vocab_chunk_size: int = 16384
+    #: ``entropy_flow_task_tokens`` when the `param` flow measures the entropy over them (else None).
+    entropy_tokens: torch.Tensor | None = None
+    #: The observer of TRL's scoring calls inside the trainer hook in progress (``observing``), if any.
+    observer: ScoringObserver | None = field(default=None, init=False)
 
     def core(self) -> Any:
         return core_model(self.unwrap(self.model()))
+
+    @contextmanager
+    def observing(self, observer: ScoringObserver | None) -> Iterator[None]:
+        """TRL's scoring calls inside the block (the hook that opens it calls TRL, which calls its scoring function)
+        are observed by ``observer`` (``observed_call``)."""
+        self.observer = observer
+        try:
+            yield
+        finally:
+            self.observer = None
+
+    def observed_call(self, model: Any, logits_to_keep: int, trl_score: Callable[..., tuple], **kwargs) -> tuple:
+        """One of TRL's scoring calls, ``trl_score(compute_entropy=..., **kwargs)``: as TRL makes it, unless the
+        observer of the block in progress accepts ``model``; then it is served by the observer or run with entropies
+        (and the hidden states for the vocabulary sums), and the observer sees its result."""
+        observer = self.observer
+        if observer is None or not observer.accepts(model):
+            return trl_score(**kwargs)
+        kwargs["compute_entropy"] = True
+        with self.capture_hidden_states(observer.needs_vocab_stats) as hidden:
+            result = observer.served() or trl_score(**kwargs)
+        observer.observe(result[0], result[1], self.vocab_stats(hidden, logits_to_keep))
+        return result
 
     def score(self, batch: dict, *, vocab: bool = False) -> Scores:
         """TRL's no-grad scoring pass in the training precision (with ``vocab``, the vocabulary sums too)."""
@@ -113,7 +143,8 @@ class Scorer:
         return Scores(logps, entropies, *self.vocab_stats(hidden, length))
 
     def score_full_precision(self, batch: dict) -> Scores:
-        """log pi_t and H_t in the parameters' precision, autocast off; differentiable when grad is enabled."""
+        """log pi_t and H_t (and the entropy over ``entropy_tokens``) in the parameters' precision, autocast off;
+        differentiable when grad is enabled."""
         input_ids, attention_mask, length = sequence(batch)
         core = self.core()
         text_config = core.config.get_text_config()
@@ -128,7 +159,7 @@ class Scorer:
         with checkpointing, torch.autocast(input_ids.device.type, enabled=False):
             hidden = core.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
             # Position i predicts token i + 1: the completion's T tokens are predicted from hidden[-T-1:-1].
-            logps, entropies = policy_log_probs(
+            scores = policy_log_probs(
                 hidden.last_hidden_state[:, -length - 1 : -1],
                 head.weight,
                 head.bias,
@@ -136,14 +167,16 @@ class Scorer:
                 temperature=self.temperature,
                 logit_scale=logit_scale(text_config),
                 softcap=getattr(text_config, "final_logit_softcapping", None),
+                entropy_tokens=self.entropy_tokens,
             )
-        return Scores(logps, entropies)
+        return Scores(scores.logps, scores.entropies, token_set_entropies=scores.token_set_entropies)
 
     @torch.no_grad()
     def jvp(
         self, batch: dict, params: Sequence[torch.Tensor], direction: Sequence[torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """u_t and dH_t: the derivatives of log pi_t and H_t along ``direction`` (one tensor per parameter of
+        """u_t and dH_t: the derivatives of log pi_t and of the measured entropy (``Scores.measured_entropies``) along
+        ``direction`` (one tensor per parameter of
         ``params``), by forward-mode AD with float64 head maths (`opefo_trl.maths.param_jvp.completion_jvp`). The pass
         runs in eval mode (no dropout; no gradient checkpointing, which drops forward-mode tangents): a no-grad pass
         stores no activations, so nothing is lost."""
@@ -163,6 +196,7 @@ class Scorer:
                 logit_scale=logit_scale(text_config),
                 softcap=getattr(text_config, "final_logit_softcapping", None),
                 compute_dtype=torch.float64,
+                entropy_tokens=self.entropy_tokens,
             )
         finally:
             model.train(training)

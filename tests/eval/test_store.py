@@ -122,12 +122,12 @@ def test_store_refuses_samples_of_other_model_files_or_unrecorded_ones(tmp_path)
     from opefo_trl.eval.store import MODEL_FILES_KEY
 
     store = SampleStore(str(tmp_path))
-    store.check_settings({"temperature": 1.0})  # an earlier version: no model files recorded
+    store.check_settings({"temperature": 1.0})  # a store without model files recorded
     store.append([_record(0, 0)])
     with pytest.raises(ValueError) as error:
         SampleStore(str(tmp_path)).check_settings({"temperature": 1.0, MODEL_FILES_KEY: {"model/config.json": "x"}})
     assert str(error.value) == (
         f"{tmp_path} holds 1 samples drawn from model files (tokenizer, chat template, config, generation config) "
-        "this opefo-eval did not record (an earlier version wrote them). Use another output_dir, or overwrite=True "
+        "it has no record of (a store written without them). Use another output_dir, or overwrite=True "
         "(--overwrite true) to discard them and sample the current model files."
     )

@@ -177,6 +177,36 @@ def test_head_jvp_is_forward_mode_ad_of_the_full_softmax(transform, with_bias):
         assert float((got - want).abs().max()) <= tol
 
 
+@pytest.mark.parametrize("vocab_chunk_size", [5, 10, 53])
+def test_head_jvp_over_a_token_set_is_forward_mode_ad_of_its_renormalised_entropy(vocab_chunk_size):
+    """entropy_tokens S: H and dH of q = softmax(z_S) (tiles holding none of S included, and S's tokens far less
+    likely than the others, as digits under a policy gone to junk), while log pi and its tangent stay the full
+    softmax's."""
+    gen = torch.Generator().manual_seed(4)
+    tokens, width, vocab = (3, 7), 16, 53
+    h, dh = (torch.randn(*tokens, width, generator=gen, dtype=torch.float64) for _ in range(2))
+    W, dW = (torch.randn(vocab, width, generator=gen, dtype=torch.float64) for _ in range(2))
+    token_set = torch.tensor([12, 13, 40, 41, 52])  # the first tiles hold none of them
+    W[token_set] -= 3 * W.mean(0)  # S far below the maximum
+    targets = torch.randint(0, vocab, tokens, generator=gen)
+    out = head_jvp(
+        h, dh, W, dW, None, None, targets, token_chunk_size=4, vocab_chunk_size=vocab_chunk_size,
+        entropy_tokens=token_set,
+    )  # fmt: skip
+
+    def reference(h, W):
+        logp, _ = _full_softmax(h, W, None, targets)
+        q = torch.log_softmax((h @ W.T)[..., token_set], -1)
+        return logp, -(q.exp() * q).sum(-1)
+
+    (logp, entropy), (dlogp, dentropy) = torch.func.jvp(reference, (h, W), (dh, dW))
+    full = head_jvp(h, dh, W, dW, None, None, targets, token_chunk_size=4, vocab_chunk_size=vocab_chunk_size)
+    assert float((full.entropies - entropy).abs().max()) > 0.1  # not the full softmax's entropy
+    for got, want in ((out.logps, logp), (out.entropies, entropy), (out.logps_tangent, dlogp)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out.entropies_tangent, dentropy, rtol=1e-11, atol=1e-11)
+
+
 def test_head_jvp_tiles_do_not_change_the_result_and_missing_tangents_are_zero():
     gen = torch.Generator().manual_seed(2)
     h, dW = torch.randn(9, 8, generator=gen), torch.randn(40, 8, generator=gen)

@@ -47,6 +47,18 @@ def config(**overrides):
             r"computes no 'param' flow",
         ),
         (dict(opefo_entropy_target=1.0), "only opefo_balance='step' solves for"),
+        (dict(entropy_flow_task_tokens=[]), r"entropy_flow_task_tokens must be distinct token ids >= 0"),
+        (dict(entropy_flow_task_tokens=[3, 3]), r"entropy_flow_task_tokens must be distinct token ids >= 0"),
+        (dict(entropy_flow_task_tokens=[-1]), r"entropy_flow_task_tokens must be distinct token ids >= 0"),
+        (dict(entropy_flow_entropy="digits"), "Unknown entropy_flow_entropy 'digits'"),
+        (
+            dict(entropy_flow_estimate="param", entropy_flow_entropy="task_tokens"),
+            r"measures the entropy over entropy_flow_task_tokens, which is not set",
+        ),
+        (
+            dict(entropy_flow_entropy="task_tokens", entropy_flow_task_tokens=[1, 2]),
+            r"entropy_flow_entropy='task_tokens' .*computes no 'param' flow",
+        ),
         (dict(opefo_lambda_warn=0.0), "opefo_lambda_warn must be > 0"),
         (dict(entropy_flow_estimate="full", torch_compile=True), "forward hook, which a compiled model does not run"),
         (dict(entropy_flow_estimate="full", fsdp="full_shard"), "not supported under FSDP"),

@@ -28,7 +28,7 @@ class Gradients(TrainerCallback):
         self.forwards += int(ids is None or ids.shape[-1] > 1)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.gradients.append([p.grad.detach().clone() for p in self.trainer._trainable_parameters()])
+        self.gradients.append([p.grad.detach().clone() for p in self.trainer.access.trainable_parameters()])
 
 
 def _first_step(tiny_model_path, tiny_dataset, length_reward, tmp_path, writes, **overrides):
@@ -217,6 +217,51 @@ def test_a_probe_of_earlier_rollouts_is_what_the_step_balance_holds_and_the_audi
         # shows (4e-8 and 5e-6 of GRPO's under the two kernel settings; benchmarks/step_balance.py: up to 3.5e-4).
         assert abs(predicted[step]) <= 1e-3 * abs(unweighted[step])
         assert abs(measured[step]) <= 0.1 * abs(unweighted[step]), step
+
+
+def test_a_balance_of_the_task_tokens_entropy_holds_it_and_the_audit_measures_it(
+    warm_model_path, tiny_dataset, length_reward, tmp_path
+):
+    """entropy_flow_entropy='task_tokens' (the digits): the step balance zeroes the first-order change of the mean
+    entropy of the policy renormalised over the digits; the audit re-scores it after the real AdamW step (second
+    order, far below GRPO's first-order change of it); and that entropy is what a plain full softmax of the model
+    gives over the digits, while TRL's loss keeps reading the whole vocabulary's."""
+    digits = list(range(18, 28))
+    args = make_config(
+        tmp_path, max_steps=3, learning_rate=1e-5, optim="adamw_torch", max_grad_norm=1e9, entropy_flow_audit_steps=1,
+        entropy_flow_task_tokens=digits, entropy_flow_entropy="task_tokens", **STEP_BALANCE,
+    )  # fmt: skip
+    trainer = make_trainer(warm_model_path, tiny_dataset, length_reward, args)
+    rollouts = []
+    spy(trainer.param_estimate, "estimate", lambda original, items: rollouts.append(items) or original(items))
+    trainer.train()
+    measured, unweighted = (
+        logged(trainer, "entropy_flow/measured_delta"),
+        logged(trainer, "opefo/step_change_unweighted"),
+    )
+    reached = logged(trainer, "opefo/step_change")
+    assert max(logged(trainer, "entropy_flow/param_check_error")) < 1e-4
+    for step in range(3):
+        assert abs(reached[step]) <= 1e-6 * abs(unweighted[step])
+        assert abs(measured[step]) <= 0.1 * abs(unweighted[step]), (step, measured, unweighted)
+
+    batch = rollouts[-1][0].batch
+    scores = trainer.scorer.score_full_precision(batch)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    length = batch["completion_ids"].shape[1]
+    with torch.no_grad():
+        logits = trainer.model(input_ids=ids, attention_mask=mask).logits[:, -length - 1 : -1].double()
+    logits = logits / trainer.temperature
+    q = torch.log_softmax(logits[..., digits], -1)
+    logp = torch.log_softmax(logits, -1)
+    in_loss = batch["completion_mask"].bool()
+    torch.testing.assert_close(
+        scores.token_set_entropies.double()[in_loss], -(q.exp() * q).sum(-1)[in_loss], rtol=1e-5, atol=1e-5
+    )
+    torch.testing.assert_close(
+        scores.entropies.double()[in_loss], -(logp.exp() * logp).sum(-1)[in_loss], rtol=1e-5, atol=1e-5
+    )
 
 
 def test_an_entropy_setpoint_moves_the_probe_s_entropy_by_the_change_it_asks_for(

@@ -7,6 +7,7 @@ from datasets import Dataset
 from trainer_setup import logged, make_config, make_trainer, spy
 
 from opefo_trl import OPEFOTrainer
+from opefo_trl.trainer.parts import fixed_probe
 
 pytestmark = pytest.mark.numerics
 
@@ -65,12 +66,13 @@ def test_sampling_the_probe_leaves_the_training_s_random_stream_as_it_was(
 ):
     args = make_config(tmp_path, **STEP_BALANCE)
     trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, args, probe_dataset=_probe_prompts(2))
-    probe = trainer._fixed_probe()
+    prompts = list(_probe_prompts(2)["prompt"])
+    probe = fixed_probe(trainer, trainer.loss_mirror, prompts)
     state = torch.get_rng_state()
     first = probe.batches()
     assert torch.equal(torch.get_rng_state(), state)
     assert probe.batches() is first  # sampled once
-    again = trainer._fixed_probe().batches()  # the same seed: the same completions
+    again = fixed_probe(trainer, trainer.loss_mirror, prompts).batches()  # the same seed: the same completions
     assert all(
         torch.equal(a[0].batch["completion_ids"], b[0].batch["completion_ids"])
         for a, b in zip(first, again, strict=True)

@@ -211,31 +211,35 @@ def test_diagnostics_switched_off_log_no_entropy_flow_metrics(train, tmp_path, m
 
 
 @pytest.mark.numerics
-def test_grpo_diagnostics_equal_the_maths_on_the_same_batch(train, tmp_path):
+def test_grpo_diagnostics_equal_the_maths_on_the_same_batch(tiny_model_path, tiny_dataset, length_reward, tmp_path):
     """Recompute log pi and H with a plain full-softmax forward of the pre-step model, then the flow by hand."""
     seen = []
 
-    class Recording(OPEFOTrainer):
-        def _compute_loss(self, model, inputs):
-            core = self.accelerator.unwrap_model(self.model)
-            ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-            attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-            with torch.no_grad():
-                logits = core(input_ids=ids, attention_mask=attention).logits.float() / self.temperature
-            t = inputs["completion_ids"].size(1)
-            logp = torch.log_softmax(logits[:, -t - 1 : -1], -1)
-            seen.append(
-                dict(
-                    logps=logp.gather(-1, inputs["completion_ids"][..., None])[..., 0],
-                    entropies=-(logp.exp() * logp).sum(-1),
-                    advantages=inputs["advantages"].clone(),
-                    mask=inputs["completion_mask"].clone(),
-                    tokens=inputs["num_items_in_batch"].clone(),
-                )
+    def record(loss_call, inputs):  # the micro-batch as TRL's loss receives it, before the step
+        core = trainer.accelerator.unwrap_model(trainer.model)
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        with torch.no_grad():
+            logits = core(input_ids=ids, attention_mask=attention).logits.float() / trainer.temperature
+        t = inputs["completion_ids"].size(1)
+        logp = torch.log_softmax(logits[:, -t - 1 : -1], -1)
+        seen.append(
+            dict(
+                logps=logp.gather(-1, inputs["completion_ids"][..., None])[..., 0],
+                entropies=-(logp.exp() * logp).sum(-1),
+                advantages=inputs["advantages"].clone(),
+                mask=inputs["completion_mask"].clone(),
+                tokens=inputs["num_items_in_batch"].clone(),
+                ids=inputs["completion_ids"].clone(),
             )
-            return super()._compute_loss(model, inputs)
+        )
+        return loss_call(inputs)
 
-    trainer = train(make_config(tmp_path, method="grpo", max_steps=1), Recording)
+    digits = list(range(18, 28))  # the tiny tokenizer's "0".."9"
+    args = make_config(tmp_path, method="grpo", max_steps=1, entropy_flow_task_tokens=digits)
+    trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
+    spy(trainer.micro_batches, "loss_call", record)
+    trainer.train()
     (batch,) = seen
     # dapo: TRL divides the summed token losses by the rollout batch's token count.
     assert batch["tokens"].item() == batch["mask"].sum().item()
@@ -244,6 +248,15 @@ def test_grpo_diagnostics_equal_the_maths_on_the_same_batch(train, tmp_path):
     expected = stats.metrics()
     for name in FLOW_METRICS:
         assert logged(trainer, name)[0] == pytest.approx(expected[name], rel=1e-3, abs=1e-9), name
+    # entropy_flow_task_tokens: the shares of P, N and the tokens sampled outside the digits.
+    flow = entropy_flow(batch["logps"], batch["entropies"], batch["advantages"]).double() * factor
+    off_task = ~torch.isin(batch["ids"], torch.tensor(digits)) & (batch["mask"] > 0)
+    assert 0 < off_task.sum() < batch["mask"].sum()
+    for side, chosen in (("increase", flow > 0), ("decrease", flow < 0)):
+        want = float(flow[off_task & chosen].abs().sum() / flow[chosen].abs().sum())
+        assert logged(trainer, f"entropy_flow/off_task_{side}_share")[0] == pytest.approx(want, rel=1e-3, abs=1e-9)
+    want = float(off_task.sum() / batch["mask"].sum())
+    assert logged(trainer, "entropy_flow/off_task_token_frac")[0] == pytest.approx(want)
 
 
 @pytest.mark.numerics
@@ -251,30 +264,24 @@ def test_lambda_star_balances_the_flow_of_the_tokens_trl_keeps_under_an_entropy_
     """top_entropy_quantile < 1: TRL trains on the high-entropy tokens only; lambda* must balance their flow."""
     from trl import GRPOTrainer
 
-    seen = []
+    seen, masks = [], []
 
-    class Spy(OPEFOTrainer):
-        def _compute_loss(self, model, inputs):
-            masks = []
-            original = GRPOTrainer.get_high_entropy_mask
+    def setup(trainer):
+        def recording(entropies, mask, threshold):  # TRL's own mask, computed in its loss
+            masks.append(GRPOTrainer.get_high_entropy_mask(trainer, entropies, mask, threshold))
+            return masks[-1]
 
-            def recording(trainer, entropies, mask, threshold):
-                masks.append(original(trainer, entropies, mask, threshold))
-                return masks[-1]
+        def finish(original, call, loss):  # the last mask computed before the loss is finished is TRL's own
+            seen.append(dict(entropy_mask=masks[-1], inputs=call.inputs))
+            return original(call, loss)
 
-            self.get_high_entropy_mask = recording.__get__(self)
-            try:
-                loss = super()._compute_loss(model, inputs)
-            finally:
-                del self.get_high_entropy_mask
-            # TRL's own mask in its own loss: the last one computed in this call.
-            seen.append(dict(entropy_mask=masks[-1], inputs=inputs))
-            return loss
+        trainer.get_high_entropy_mask = recording
+        spy(trainer.micro_batches, "finish", finish)
 
     args = make_config(
         tmp_path, top_entropy_quantile=0.2, gradient_accumulation_steps=2, per_device_train_batch_size=4, max_steps=3
     )
-    trainer = train(args, Spy)
+    trainer = train(args, setup=setup)
     nets, grosses = {}, {}
     for step, record in enumerate(seen):
         inputs, keep = record["inputs"], record["entropy_mask"].float()

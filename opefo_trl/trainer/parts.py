@@ -1,0 +1,209 @@
+"""How `OPEFOTrainer`'s parts are built: what each is given, read from the trainer (`TrainerAccess`), and which parts
+a configuration needs (`build_parts`).
+
+This is the one module that reads the trainer's attributes (its accelerator, arguments, state and TRL's own helpers);
+the parts themselves take plain callables and values in their constructors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from trl import GRPOTrainer
+
+from opefo_trl.maths.entropy_flow import TABULAR_ESTIMATES
+from opefo_trl.methods import TokenMethod
+from opefo_trl.trainer import model_setup
+from opefo_trl.trainer.audit import EntropyAudit
+from opefo_trl.trainer.checks import RewardCheck
+from opefo_trl.trainer.generation_stats import GenerationStats
+from opefo_trl.trainer.loss_mirror import LossMirror, trl_scores_rollout
+from opefo_trl.trainer.micro_batch import MicroBatchWeigher
+from opefo_trl.trainer.param_estimate import ParamEstimate
+from opefo_trl.trainer.probe import FixedProbe
+from opefo_trl.trainer.rollout import RolloutWeigher
+from opefo_trl.trainer.scoring import Scorer, core_model
+
+
+class TrainerAccess:
+    """What the parts are given: the trainer's rank reducer, metrics sink, model and optimizer accessors, each read
+    when called (accelerate wraps the model and creates the optimizer after the parts are built)."""
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+
+    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.trainer.accelerator.reduce(tensor, reduction="sum")
+
+    def log_metrics(self, metrics: dict[str, float]) -> None:
+        for name, value in metrics.items():
+            self.trainer._metrics["train"][name].append(value)
+
+    def core_model(self) -> Any:
+        """The causal LM carrying the fused head (unwrapped from DDP/DeepSpeed and PEFT)."""
+        return core_model(self.trainer.accelerator.unwrap_model(self.trainer.model))
+
+    def trainable_parameters(self) -> list[torch.Tensor]:
+        return [p for p in self.trainer.accelerator.unwrap_model(self.trainer.model).parameters() if p.requires_grad]
+
+    def torch_optimizer(self) -> Any:
+        optimizer = self.trainer.optimizer
+        return getattr(optimizer, "optimizer", optimizer)  # inside accelerate's AcceleratedOptimizer
+
+    def device(self) -> torch.device:
+        return self.trainer.accelerator.device
+
+
+@dataclass
+class Parts:
+    """The parts of one `OPEFOTrainer` (None where its configuration needs none)."""
+
+    access: TrainerAccess
+    loss_mirror: LossMirror
+    scorer: Scorer
+    audit: EntropyAudit
+    param_estimate: ParamEstimate | None
+    rollout: RolloutWeigher | None
+    micro_batches: MicroBatchWeigher
+    reward_check: RewardCheck
+
+
+def build_parts(trainer: Any, probe_prompts: Any = None) -> Parts:
+    """The parts a built `OPEFOTrainer` hands over to, for its configuration (``probe_prompts``: the fixed probe's
+    prompts, or None)."""
+    args, estimate, method = trainer.args, trainer.args.entropy_flow_estimate, trainer.token_method
+    access = TrainerAccess(trainer)
+    # The flow of the whole rollout batch is needed before the first backward.
+    rollout_flow = method.needs_rollout_pass or (args.entropy_flow_diagnostics and estimate == "param")
+    model_setup.refuse_unsupported_setup(
+        args,
+        computes_flow=rollout_flow or args.entropy_flow_diagnostics,
+        rollout_param=rollout_flow and estimate == "param",
+        trainable=access.trainable_parameters(),
+        deepspeed=trainer.is_deepspeed_enabled,
+        fsdp=trainer.is_fsdp_enabled,
+        main_process=trainer.accelerator.is_main_process,
+        attention=access.core_model().config._attn_implementation,
+    )
+    loss_mirror = LossMirror.of(trainer)
+    task_tokens = _task_tokens(args, access.core_model().config.get_text_config().vocab_size, trainer.model)
+    checkpointing = args.gradient_checkpointing_kwargs
+    assert not isinstance(checkpointing, str)  # TrainingArguments.__post_init__ parses a JSON string into a dict
+    scorer = Scorer(
+        model=lambda: trainer.model,
+        unwrap=trainer.accelerator.unwrap_model,
+        trl_score=partial(GRPOTrainer._get_per_token_logps_and_entropies, trainer),
+        autocast=trainer.accelerator.autocast,
+        temperature=trainer.temperature,
+        head_in_float32=args.cast_lm_head_to_fp32,
+        batch_size=args.per_device_train_batch_size,
+        checkpointing_kwargs=checkpointing,
+        token_chunk_size=args.vocab_stats_token_chunk_size,
+        vocab_chunk_size=args.vocab_stats_vocab_chunk_size,
+        entropy_tokens=task_tokens if args.entropy_flow_entropy == "task_tokens" else None,
+    )
+    audit = EntropyAudit(
+        every=args.entropy_flow_audit_steps,
+        global_step=lambda: trainer.state.global_step,
+        score=scorer.score,
+        score_full_precision=scorer.score_full_precision,
+        loss_mask=loss_mirror.mask,
+        reduce_sum=access.reduce_sum,
+        device=access.device,
+        log_metrics=access.log_metrics,
+        params=access.trainable_parameters,
+        optimizer=access.torch_optimizer,
+    )
+    param_estimate = None
+    if rollout_flow and estimate == "param":
+        param_estimate = build_param_estimate(trainer, scorer, loss_mirror, probe_prompts)
+    trl_scores = trl_scores_rollout(
+        args, use_vllm=trainer.use_vllm, importance_sampling_correction=trainer.vllm_importance_sampling_correction
+    )
+    # Without TRL's pass, a rollout of several micro-batches takes log pi and H from generation's logits.
+    reads_generation = not (trl_scores or trainer.use_vllm) and estimate in TABULAR_ESTIMATES
+    reads_generation = reads_generation and loss_mirror.steps_per_generation > 1
+    rollout = None
+    if rollout_flow:
+        rollout = RolloutWeigher(
+            method,
+            estimate,
+            loss_mirror,
+            scorer,
+            param_estimate,
+            audit,
+            access.reduce_sum,
+            num_iterations=trainer.num_iterations,
+            trl_scores_rollout=trl_scores,
+            writes_gradient=loss_mirror.gradient_is_linear
+            and type(method).micro_batch_terms is TokenMethod.micro_batch_terms,
+            generation=GenerationStats(trainer.temperature, estimate == "full") if reads_generation else None,
+        )
+    micro_batches = MicroBatchWeigher(
+        method,
+        estimate,
+        args.entropy_flow_diagnostics,
+        rollout_flow,
+        loss_mirror,
+        access.reduce_sum,
+        access.log_metrics,
+        trainer.accelerator.is_main_process,
+        access.trainable_parameters,
+        task_tokens=task_tokens,
+    )
+    return Parts(access, loss_mirror, scorer, audit, param_estimate, rollout, micro_batches, RewardCheck())
+
+
+def _task_tokens(args: Any, vocab_size: int, model: Any) -> torch.Tensor | None:
+    """``entropy_flow_task_tokens`` as a tensor on the model's device, each checked against the vocabulary."""
+    if args.entropy_flow_task_tokens is None:
+        return None
+    outside = [t for t in args.entropy_flow_task_tokens if t >= vocab_size]
+    if outside:
+        raise ValueError(
+            f"entropy_flow_task_tokens {outside} are not token ids of this model (vocabulary of {vocab_size}); take "
+            "them from its tokenizer, e.g. tokenizer.convert_tokens_to_ids([...])."
+        )
+    return torch.tensor(args.entropy_flow_task_tokens, dtype=torch.long, device=next(model.parameters()).device)
+
+
+def build_param_estimate(
+    trainer: Any, scorer: Scorer, loss_mirror: LossMirror, probe_prompts: Any = None
+) -> ParamEstimate:
+    """The `param` estimate of a built trainer's rollout batches (``probe_prompts``: the fixed probe's prompts)."""
+    access = TrainerAccess(trainer)
+    return ParamEstimate(
+        params=access.trainable_parameters,
+        score=scorer.score_full_precision,
+        jvp=scorer.jvp,
+        loss=loss_mirror,
+        reduce_sum=access.reduce_sum,
+        num_processes=trainer.accelerator.num_processes,
+        optimizer=access.torch_optimizer,
+        max_grad_norm=trainer.args.max_grad_norm,
+        log_metrics=access.log_metrics,
+        main_process=trainer.accelerator.is_main_process,
+        probe_rollouts=trainer.args.entropy_flow_probe_rollouts,
+        fixed_probe=None if probe_prompts is None else fixed_probe(trainer, loss_mirror, probe_prompts).batches,
+    )
+
+
+def fixed_probe(trainer: Any, loss_mirror: LossMirror, probe_prompts: Any) -> FixedProbe:
+    """The fixed probe of ``probe_prompts``, sampled by TRL's generation path of ``trainer``."""
+    assert trainer.num_generations is not None  # (GRPOConfig sets it)
+    return FixedProbe(
+        probe_prompts,
+        tokenize=trainer._tokenize_prompts,
+        generate=trainer._generate_single_turn,
+        pad_token_id=trainer._tokenizer.pad_token_id,
+        num_generations=trainer.num_generations,
+        batch_size=trainer.args.per_device_train_batch_size,
+        loss_mask=loss_mirror.mask,
+        rank=trainer.accelerator.process_index,
+        world_size=trainer.accelerator.num_processes,
+        seed=trainer.args.seed,
+        device=lambda: trainer.accelerator.device,
+    )
