@@ -74,7 +74,8 @@ class Spread:
 FIGURES = (
     "entropy_start", "entropy_final", "entropy_min", "reward_start", "reward_final", "lambda_mean", "lambda_abs_mean",
     "net_over_gross_mean", "measured_delta_mean", "measured_abs_delta_mean", "predicted_delta_mean",
-    "step_first_order_mean", "seconds", "cpu_seconds",
+    "step_first_order_mean", "seconds", "cpu_seconds", "task_entropy_start", "task_entropy_final",
+    "off_task_probability_start", "off_task_probability_final", "off_task_increase_share_final",
 )  # fmt: skip
 
 
@@ -311,6 +312,27 @@ def summary_markdown(
                 lines.append("| warm start (before RL) | " + " | ".join(cells) + " |")
             for name, s in by_method.items():
                 cells = [_cell(s, f"pass@{k}", ".3f") for k in ks] + [_cell(s, "distinct_correct_per_target", ".2f")]
+                lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        if any(s.values.get("task_entropy_final") for s in by_method.values()):
+            lines += [
+                "",
+                "Where the entropy sits: on the held-out prompts' completions (16 per target, sampled from the policy "
+                "at the start and at the end), the probability of tokens the task never rewards (other than "
+                f"{task.answer_characters!r}) and the entropy of the policy renormalised over the task's tokens; and "
+                "the share of the update's increase flow carried by sampled tokens outside them (the run's own "
+                f"estimate, last {FINAL_WINDOW} steps):",
+                "",
+                "| method | off-task probability start → final | task-token entropy start → final | off-task share "
+                "of the increase flow |",
+                "|---|---|---|---|",
+            ]
+            for name, s in by_method.items():
+                cells = [
+                    f"{s.all_runs['off_task_probability_start'].format('.4f')} → "
+                    f"{_cell(s, 'off_task_probability_final', '.4f')}",
+                    f"{s.all_runs['task_entropy_start'].format('.3f')} → {_cell(s, 'task_entropy_final', '.3f')}",
+                    _cell(s, "off_task_increase_share_final", ".3f"),
+                ]
                 lines.append(f"| {name} | " + " | ".join(cells) + " |")
         failed = [(name, seed, reason) for name, s in by_method.items() for seed, reason in s.failures.items()]
         lines += ["", "Failed runs: " + ("; ".join(f"{m} seed {k} ({why})" for m, k, why in failed) or "none") + "."]

@@ -65,8 +65,10 @@ def check_demo(output_dir: str, settings: DemoSettings) -> None:
     assert settings.seeds is not None  # DemoSettings.__post_init__ fills the settings left at None
     methods = demo_methods(settings.entropy_coef)
     for name in settings.methods:
+        check_dir = os.path.join(output_dir, "runs", "_check")
+        # The task's tokens and the warm start's entropy are known after the warm start: stand-ins of their kind here.
         check_training_values(
-            build_config(methods[name], settings.seeds[0], os.path.join(output_dir, "runs", "_check"), settings)
+            build_config(methods[name], settings.seeds[0], check_dir, settings, task_tokens=list(range(10)))
         )
 
 
@@ -238,9 +240,24 @@ def plot_demo(
 ) -> str:
     """``curves.png`` over every run (grouped by method: mean ± std over seeds and numerics settings), with the pass@k
     panel; with several settings also ``curves-<numerics>.png`` for each. Returns the path of ``curves.png``."""
-    from opefo_trl.plotting import load_runs, plot_runs
+    from opefo_trl.plotting import DEFAULT_PANELS, Panel, load_runs, plot_runs
 
     task = TASKS[settings.task]
+    placement_panels = (
+        Panel(
+            f"Where the entropy sits: probability off {task.answer_characters!r} (held-out)",
+            "off-task probability",
+            ("placement/off_task_probability",),
+            optional=True,
+        ),
+        Panel("Entropy over the task's tokens (held-out)", "nats", ("placement/task_entropy",), optional=True),
+        Panel(
+            "Share of the increase flow on off-task tokens",
+            "share of P",
+            ("entropy_flow/off_task_increase_share",),
+            optional=True,
+        ),
+    )
 
     def draw(path: str, chosen: list[RunResult], numerics: list[str]) -> None:
         assert settings.seeds is not None  # DemoSettings.__post_init__ fills the settings left at None
@@ -259,6 +276,7 @@ def plot_demo(
             title=f"{task.name} task, tiny Qwen2, {len(settings.seeds)} seed(s), numerics {' and '.join(numerics)} "
             "(EMA-smoothed 0.6; band: ±1 std)",
             pass_at_k=({"warm start": warm} if warm else {}) | curves,
+            panels=(*DEFAULT_PANELS, *placement_panels),
         )
 
     figure = os.path.join(output_dir, "curves.png")

@@ -23,6 +23,10 @@ class DemoMethod:
         return self.config.get("entropy_flow_estimate", "opefo")
 
 
+#: The value of a method's config field that is the warm start's mean token entropy on the training prompts, measured
+#: before the run (``training.build_config``): the level an entropy setpoint holds.
+START_ENTROPY = "<warm start entropy>"
+
 #: How the demo's report names a registered method (others: the method's own summary).
 METHOD_DESCRIPTIONS = {
     "grpo": "strict on-policy GRPO",
@@ -51,6 +55,41 @@ def demo_methods(entropy_coef: float) -> dict[str, DemoMethod]:
             "entropy_reg",
             f"GRPO + entropy bonus (entropy_coef={entropy_coef:g})",
             {"method": "grpo", "entropy_coef": entropy_coef},
+        ),
+        DemoMethod(
+            "opefo_param_step_task",
+            "OPEFO, `param`, step balance of the entropy over the task's tokens (`entropy_flow_entropy='task_tokens'`)",
+            {
+                "method": "opefo",
+                "entropy_flow_estimate": "param",
+                "opefo_balance": "step",
+                "entropy_flow_entropy": "task_tokens",
+            },
+        ),  # fmt: skip
+        DemoMethod(
+            "opefo_param_step_probe",
+            "OPEFO, `param`, step balance of the last 4 rollouts' entropy (`entropy_flow_probe_rollouts=4`)",
+            {
+                "method": "opefo",
+                "entropy_flow_estimate": "param",
+                "opefo_balance": "step",
+                "entropy_flow_probe_rollouts": 4,
+            },
+        ),  # fmt: skip
+        DemoMethod(
+            "opefo_param_step_setpoint",
+            "OPEFO, `param`, step balance steering the entropy to the warm start's (`opefo_entropy_target`)",
+            {
+                "method": "opefo",
+                "entropy_flow_estimate": "param",
+                "opefo_balance": "step",
+                "opefo_entropy_target": START_ENTROPY,
+            },
+        ),  # fmt: skip
+        DemoMethod(
+            "entropy_adaptive",
+            "GRPO + TRL's adaptive entropy bonus, target the warm start's entropy (`use_adaptive_entropy`)",
+            {"method": "grpo", "use_adaptive_entropy": True, "entropy_target": START_ENTROPY},
         ),
         DemoMethod(
             "opefo_param",

@@ -57,6 +57,8 @@ class DemoTask:
     warm_start_answers: Callable[[int, Sequence[int], int], list[tuple[int, str]]]  # (count, targets, seed)
     exact_answer: Callable[[str, int], Hashable | None]  # a right answer's identity (distinct answers), else None
     defaults: dict = field(default_factory=dict)
+    #: The characters answers are written in, one token each: the task rewards no other token.
+    answer_characters: str = "0123456789"
 
     @property
     def train_targets(self) -> list[int]:
@@ -69,6 +71,13 @@ class DemoTask:
     def train_dataset(self):
         """The RL dataset: one row per training target (held-out targets excluded)."""
         return self.build_dataset(self.train_targets)
+
+    def task_token_ids(self, tokenizer) -> list[int]:
+        """The token ids of ``answer_characters`` (``OPEFOConfig.entropy_flow_task_tokens``)."""
+        ids = [tokenizer.convert_tokens_to_ids(c) for c in self.answer_characters]
+        if any(i is None or i == tokenizer.unk_token_id for i in ids):
+            raise ValueError(f"The tokenizer has no single token for each of {self.answer_characters!r}.")
+        return ids
 
 
 def _exact_sum(text: str, target: int):

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import TypedDict
 
 from opefo_trl.demo.evaluate import HeldOutResult, evaluate_held_out
-from opefo_trl.demo.settings import DemoMethod, DemoSettings
+from opefo_trl.demo.placement import PREFIX, PlacementCallback, measure_placement
+from opefo_trl.demo.settings import START_ENTROPY, DemoMethod, DemoSettings
 from opefo_trl.demo.tasks import TASKS
 from opefo_trl.methods import REGIME_GUARD
 
@@ -28,12 +29,22 @@ REQUIRED_METRICS = (
 )
 
 
-def build_config(method: DemoMethod, seed: int, run_dir: str, settings: DemoSettings):
+def build_config(
+    method: DemoMethod,
+    seed: int,
+    run_dir: str,
+    settings: DemoSettings,
+    task_tokens: list[int] | None = None,
+    start_entropy: float = 1.0,
+):
     """The ``OPEFOConfig`` of one run: identical budget for every method, the method's own fields on top; every
-    step audited (the measured entropy change of the update)."""
+    step audited (the measured entropy change of the update). ``task_tokens``: the task's answer tokens (the
+    diagnostics' off-task shares); ``start_entropy``: the warm start's mean token entropy, for the fields the method
+    sets to ``START_ENTROPY`` (an entropy target)."""
     from opefo_trl import OPEFOConfig
 
     assert settings.prompts_per_step is not None  # DemoSettings.__post_init__ fills the settings left at None
+    fields = {k: start_entropy if v == START_ENTROPY else v for k, v in method.config.items()}
     return OPEFOConfig(
         output_dir=run_dir,
         seed=seed,
@@ -56,7 +67,8 @@ def build_config(method: DemoMethod, seed: int, run_dir: str, settings: DemoSett
         disable_tqdm=True,
         dataloader_num_workers=0,
         entropy_flow_audit_steps=1,
-        **method.config,
+        entropy_flow_task_tokens=task_tokens,
+        **fields,
     )
 
 
@@ -105,6 +117,13 @@ class RunResult:
     step_first_order_mean: float | None = None
     regime_warning: str | None = None
     held_out: HeldOutResult | None = None
+    #: Where the entropy sits (``opefo_trl.demo.placement``), on the held-out prompts at the start and at the end.
+    task_entropy_start: float | None = None
+    task_entropy_final: float | None = None
+    off_task_probability_start: float | None = None
+    off_task_probability_final: float | None = None
+    #: The share of the increase flow carried by sampled tokens outside the task's (mean of the last steps).
+    off_task_increase_share_final: float | None = None
     #: sha256 of the logged FINGERPRINT_METRICS: equal for two runs whose logs are identical
     log_fingerprint: str = ""
 
@@ -158,6 +177,16 @@ class HistorySummary(TypedDict):
     measured_abs_delta_mean: float
     predicted_delta_mean: float | None
     step_first_order_mean: float | None
+    task_entropy_start: float | None
+    task_entropy_final: float | None
+    off_task_probability_start: float | None
+    off_task_probability_final: float | None
+    off_task_increase_share_final: float | None
+
+
+def _first_and_last(history: list[dict], key: str) -> tuple[float | None, float | None]:
+    values = _metric(history, key)
+    return (values[0], values[-1]) if values else (None, None)
 
 
 def summarize_history(history: list[dict]) -> HistorySummary:
@@ -181,6 +210,9 @@ def summarize_history(history: list[dict]) -> HistorySummary:
         if r["entropy_flow/increase"] + r["entropy_flow/decrease"] > 0
     ]
     lambdas, measured = _metric(history, "entropy_flow/lambda"), _metric(history, "entropy_flow/measured_delta")
+    task_entropy = _first_and_last(history, PREFIX + "task_entropy")
+    off_task = _first_and_last(history, PREFIX + "off_task_probability")
+    off_task_share = _metric(history, "entropy_flow/off_task_increase_share")
     return {
         "entropy_start": entropy[0],
         "entropy_final": statistics.fmean(_metric(history, "entropy", finite=False)[-FINAL_WINDOW:]),
@@ -194,7 +226,28 @@ def summarize_history(history: list[dict]) -> HistorySummary:
         "measured_abs_delta_mean": statistics.fmean(abs(x) for x in measured),
         "predicted_delta_mean": _mean_or_none(_metric(history, "entropy_flow/predicted_delta")),
         "step_first_order_mean": _mean_or_none(_metric(history, "entropy_flow/step_first_order")),
+        "task_entropy_start": task_entropy[0],
+        "task_entropy_final": task_entropy[1],
+        "off_task_probability_start": off_task[0],
+        "off_task_probability_final": off_task[1],
+        "off_task_increase_share_final": _mean_or_none(off_task_share[-FINAL_WINDOW:]),
     }
+
+
+#: Completions per held-out prompt of each placement measurement, and the measurements over a run (plus the start).
+PLACEMENT_SAMPLES = 16
+PLACEMENT_POINTS = 12
+
+
+def _start_entropy(model_path: str, tokenizer, task, task_tokens: list[int], measure: dict) -> float:
+    """The warm start's mean token entropy on the training prompts (the level a setpoint method holds), measured the
+    way the placement is, with seed 0: the same for every run of a numerics setting."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    prompts = [task.prompt(t) for t in task.train_targets]
+    return measure_placement(model, tokenizer, prompts, torch.tensor(task_tokens), seed=0, **measure)["entropy"]
 
 
 def train_one(
@@ -215,22 +268,39 @@ def train_one(
     """
     import warnings
 
-    from transformers import PrinterCallback
+    import torch
+    from transformers import AutoTokenizer, PrinterCallback
 
     from opefo_trl import OPEFOTrainer
 
     # DemoSettings.__post_init__ fills the settings left at None:
     assert settings.steps is not None and settings.max_completion_length is not None
     task = TASKS[settings.task]
-    args = build_config(method, seed, run_dir, settings)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    task_tokens = task.task_token_ids(tokenizer)
+    measure = dict(
+        samples=PLACEMENT_SAMPLES, max_new_tokens=settings.max_completion_length, temperature=settings.temperature
+    )
+    start_entropy = 1.0
+    if any(value == START_ENTROPY for value in method.config.values()):
+        start_entropy = _start_entropy(model_path, tokenizer, task, task_tokens, measure)
+    args = build_config(method, seed, run_dir, settings, task_tokens, start_entropy)
     label = f"{method.name} seed {seed}" + (f" {numerics}" if len(settings.numerics) > 1 else "")
     start, cpu_start = time.perf_counter(), time.process_time()
+    placement = PlacementCallback(
+        tokenizer,
+        [task.prompt(t) for t in task.held_out_targets],
+        torch.tensor(task_tokens),
+        every=max(1, settings.steps // PLACEMENT_POINTS),
+        seed=seed,
+        **measure,
+    )
     trainer = (trainer_class or OPEFOTrainer)(
         model=model_path,
         reward_funcs=task.reward,
         args=args,
         train_dataset=task.train_dataset(),
-        callbacks=[_progress_callback(label, settings.steps, log)],
+        callbacks=[_progress_callback(label, settings.steps, log), placement],
     )
     # With disable_tqdm the Trainer prints every log dict; our progress lines replace both.
     trainer.remove_callback(PrinterCallback)

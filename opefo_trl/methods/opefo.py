@@ -152,6 +152,11 @@ class OPEFO(TokenMethod):
             "with `param`: `entropy_flow_probe_rollouts=4` (the entropy of the last 4 rollouts is balanced); with the "
             "step balance: `opefo_entropy_target=0.5` (steered toward a level)",
         ),
+        (
+            "OPEFO, balance of the task's tokens' entropy (ours)",
+            'with `param`: `entropy_flow_entropy="task_tokens"`, `entropy_flow_task_tokens=[...]` (the entropy '
+            "renormalised over the answer's tokens, which junk tokens cannot raise)",
+        ),
     )
     #: Optimizer steps over which the regime guard averages |lambda*|.
     REGIME_WINDOW = 20
