@@ -42,33 +42,48 @@ class HeldOutResult:
         )
 
 
+def sample_completions(
+    model, tokenizer, prompts: Sequence[list[dict]], samples: int, max_new_tokens: int, temperature: float, seed: int
+):
+    """``samples`` completions of each conversational prompt (each prompt's together, in prompt order), sampled at
+    ``temperature`` without top-k / top-p, in eval mode, from a random stream seeded with ``seed`` and forked from
+    the caller's (left as it was). Returns the prompts' attention mask, one row per completion, and the whole
+    sequences (prompt, then completion)."""
+    import torch
+
+    prompt_ids = render_prompts(tokenizer, list(prompts))
+    batch = tokenizer.pad({"input_ids": prompt_ids}, padding=True, padding_side="left", return_tensors="pt")
+    batch = {k: v.to(model.device) for k, v in batch.items()}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed)
+            output = model.generate(
+                **batch,
+                do_sample=True,
+                temperature=temperature,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=max_new_tokens,
+                num_return_sequences=samples,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+    finally:
+        model.train(was_training)
+    return batch["attention_mask"].repeat_interleave(samples, 0), output
+
+
 def evaluate_held_out(
     model, tokenizer, task: DemoTask, samples: int, ks: Sequence[int], max_new_tokens: int, seed: int
 ) -> HeldOutResult:
     """Sample ``samples`` completions per held-out target (temperature 1, no top-k/top-p) and score exact answers."""
-    import torch
-
     targets = task.held_out_targets
-    prompt_ids = render_prompts(tokenizer, [task.prompt(t) for t in targets])
-    batch = tokenizer.pad({"input_ids": prompt_ids}, padding=True, padding_side="left", return_tensors="pt")
-    batch = {k: v.to(model.device) for k, v in batch.items()}
-    torch.manual_seed(seed)
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        output = model.generate(
-            **batch,
-            do_sample=True,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            max_new_tokens=max_new_tokens,
-            num_return_sequences=samples,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-    model.train(was_training)
-    answers = tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    prompt_mask, output = sample_completions(
+        model, tokenizer, [task.prompt(t) for t in targets], samples, max_new_tokens, 1.0, seed
+    )
+    answers = tokenizer.batch_decode(output[:, prompt_mask.shape[1] :], skip_special_tokens=True)
     correct, distinct = [], []
     for i, target in enumerate(targets):  # generate returns each prompt's samples together, in prompt order
         keys = [task.exact_answer(a, target) for a in answers[i * samples : (i + 1) * samples]]

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 from transformers import TrainerCallback
 
-from opefo_trl.data.prompts import render_prompts
+from opefo_trl.demo.evaluate import sample_completions
 
 PREFIX = "placement/"
 NAMES = ("entropy", "task_entropy", "off_task_probability", "off_task_sampled")
@@ -65,28 +65,12 @@ def measure_placement(
     temperature: float,
     seed: int,
 ) -> dict[str, float]:
-    """``samples`` completions of each prompt (sampled at ``temperature``, no top-k/top-p), scored by one forward;
-    the policy's random stream is restored afterwards."""
-    prompt_ids = render_prompts(tokenizer, list(prompts))
-    batch = tokenizer.pad({"input_ids": prompt_ids}, padding=True, padding_side="left", return_tensors="pt")
-    batch = {k: v.to(model.device) for k, v in batch.items()}
+    """``samples`` completions of each prompt (``sample_completions``), scored by one forward; the policy's random
+    stream is left as it was."""
+    prompt_mask, output = sample_completions(model, tokenizer, prompts, samples, max_new_tokens, temperature, seed)
     was_training = model.training
     model.eval()
     try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            output = model.generate(
-                **batch,
-                do_sample=True,
-                temperature=temperature,
-                top_k=0,
-                top_p=1.0,
-                max_new_tokens=max_new_tokens,
-                num_return_sequences=samples,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-            )
-        prompt_mask = batch["attention_mask"].repeat_interleave(samples, 0)
         completion_ids = output[:, prompt_mask.shape[1] :]
         # The sampled tokens up to and including the first end of turn (generate pads after it).
         ended = (completion_ids == tokenizer.eos_token_id).long().cumsum(1)
