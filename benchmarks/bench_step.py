@@ -65,6 +65,16 @@ CONFIGURATIONS = {
         OPEFOTrainer,
         dict(method="opefo", entropy_flow_estimate="param", opefo_balance="step", entropy_flow_probe_rollouts=2),
     ),
+    "opefo_param_step_task": Configuration(
+        OPEFOTrainer,
+        dict(
+            method="opefo",
+            entropy_flow_estimate="param",
+            opefo_balance="step",
+            entropy_flow_entropy="task_tokens",
+            entropy_flow_task_tokens=list(range(18, 28)),  # the tiny tokenizer's digits
+        ),
+    ),
     "opefo_param_lora16": Configuration(OPEFOTrainer, dict(method="opefo", entropy_flow_estimate="param"), 16),
     "grpo_diagnostics": Configuration(OPEFOTrainer, dict(method="grpo")),
     "clip_cov": Configuration(OPEFOTrainer, dict(method="clip_cov")),
