@@ -498,7 +498,7 @@ def failing_rewards(tmp_path, monkeypatch):
 def test_an_overwrite_that_fails_before_its_first_checkpoint_leaves_the_earlier_run_as_it_was(
     earlier_run, tiny_model_path, problems_file, failing_rewards, tmp_path, capsys, snapshot
 ):
-    """Before: the earlier run was deleted once the model had loaded, and the failing new run left nothing."""
+    """The earlier run is set aside, not deleted, until the new run has saved something; a failure puts it back."""
     before = snapshot(tmp_path)
     argv = [
         "--config",
@@ -517,8 +517,8 @@ def test_an_overwrite_that_fails_before_its_first_checkpoint_leaves_the_earlier_
 def test_the_models_own_folder_and_files_no_run_wrote_are_refused_before_loading(
     tiny_model_path, problems_file, tmp_path, no_model_loading, capsys, snapshot
 ):
-    """Before: --output_dir equal to the model's folder deleted its model.safetensors (with overwrite), and a user
-    folder's checkpoint-7/, metrics.jsonl and model.safetensors were deleted or replaced."""
+    """An overwrite may not delete the model's own weights (--output_dir equal to the model's folder), nor a user
+    folder's checkpoint-7/, metrics.jsonl or model.safetensors that no run wrote."""
     import shutil
 
     model = tmp_path / "model"
@@ -683,9 +683,8 @@ def test_a_reward_returning_strings_stops_at_its_first_call_without_a_traceback(
 @pytest.mark.parametrize(
     "reward, message",
     [
-        # Before: half NaN rewards trained with exit 0 (loss 0, grad-norm 0).
+        # half NaN: would train at loss 0, grad-norm 0
         ("nan_reward", "returned nan for 4 of 8 completions (first: completion 1); a non-finite reward"),
-        # Before: reported as "returned None".
         ("dict_reward", "returned {'accuracy': 1.0, 'format': 0.0} (a dict); it must return a list"),
     ],
 )
@@ -811,7 +810,7 @@ def _start(tmp_path, argv, script=None, **env):
 def test_a_second_run_into_the_folder_is_refused_at_once_and_a_killed_run_blocks_nothing(
     tiny_model_path, problems_file, tmp_path, monkeypatch, capsys
 ):
-    """Before: a second opefo-train started 3 s after the first passed the check, and both wrote into the folder."""
+    """Two runs writing into one folder would mix their metrics and checkpoints: the second is refused."""
     import signal
     import time
 
@@ -924,8 +923,8 @@ def test_an_overwrite_whose_first_save_is_its_final_model_keeps_the_earlier_run_
 def test_a_run_killed_between_the_trainers_files_and_the_method_state_resumes_the_last_whole_checkpoint(
     tiny_model_path, problems_file, tmp_path, reward_module, caplog, capsys
 ):
-    """Before: checkpoint-3 without opefo_method_state.json passed the check, --resume_from_checkpoint true exited 0
-    with no warning, and PAR's coefficient restarted (par/coef 0.0 at step 4 instead of continuing)."""
+    """A checkpoint without opefo_method_state.json is not whole: resuming from it would restart PAR's coefficient
+    (par/coef 0.0 at step 4 instead of continuing)."""
     out = tmp_path / "out"
     reward = ["--reward_funcs", "opefo_cli_test_rewards.digit_overlap_reward"]
     argv = ["--config", PAR_RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(out), max_steps=4), *reward]
@@ -962,7 +961,7 @@ def test_a_run_killed_between_the_trainers_files_and_the_method_state_resumes_th
 def test_a_corrupt_metrics_line_is_refused_before_loading(
     earlier_run, tiny_model_path, problems_file, no_model_loading, capsys, snapshot
 ):
-    """Before: a JSONDecodeError traceback from the metrics callback, after the model loaded."""
+    """Refused before loading, not a JSONDecodeError traceback from the metrics callback after it."""
     (earlier_run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n')
     before = snapshot(earlier_run)
     argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(earlier_run))]
@@ -975,8 +974,8 @@ def test_a_corrupt_metrics_line_is_refused_before_loading(
 def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_no_partial_checkpoint(
     earlier_run, tiny_model_path, problems_file, reward_module, tmp_path, monkeypatch, capsys, snapshot
 ):
-    """Before: a torch inline_container traceback and a partial optimizer.pt. Here into an overwritten run: it is
-    moved back, since the new run saved nothing."""
+    """One line, not torch's inline_container traceback, and no partial optimizer.pt left. Here into an overwritten
+    run: it is moved back, since the new run saved nothing."""
     import errno
 
     import torch

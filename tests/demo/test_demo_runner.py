@@ -107,7 +107,7 @@ def test_bad_arguments_fail_before_any_work(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(opefo_trl.demo.runner, "warm_start", no_warm_start)
     out = tmp_path / "never"
-    # Before: the 144 s warm start ran, then a worker's traceback.
+    # checked before the warm start (144 s at full size), not by a worker's traceback after it
     for flags, message in (
         (["--learning_rate", "-1"], "python -m opefo_trl.demo: error: learning_rate must be > 0, got -1.0."),
         (

@@ -286,7 +286,7 @@ def test_samples_of_another_adapter_are_refused(tiny_model_path, bench_file, tmp
 def test_samples_drawn_with_other_model_files_are_refused(
     name, edit, tiny_model_path, bench_file, tmp_path, eval_config, snapshot
 ):
-    """Before: the fingerprint covered the weights only, and samples were reused after the chat template changed."""
+    """The fingerprint covers the tokenizer files, chat template and generation config, not only the weights."""
     model = tmp_path / "model"
     shutil.copytree(tiny_model_path, model)
     out = tmp_path / "eval"
@@ -306,7 +306,7 @@ def test_samples_drawn_with_other_model_files_are_refused(
 
 
 def test_a_model_folder_without_weights_is_named(tiny_model_path, bench_file, tmp_path, eval_config, no_model_loading):
-    """Before: a traceback from loading a folder with config.json but no weights."""
+    """A folder with config.json but no weights is named, not a traceback from loading it."""
     model = tmp_path / "model"
     shutil.copytree(tiny_model_path, model)
     os.remove(model / "model.safetensors")

@@ -108,7 +108,7 @@ def test_local_benchmark_problems_are_fingerprinted(bench_file):
 
 
 def test_a_whole_last_line_without_its_newline_gets_it_back_before_the_next_append(tmp_path, caplog):
-    """Before: the next record was glued onto it (2 samples lost, then a hard error)."""
+    """Otherwise the next record is glued onto it (2 samples lost, then a hard error)."""
     (tmp_path / "samples.jsonl").write_text(json.dumps(_record(0, 0, "a")))  # killed between the record and "\n"
     with caplog.at_level("WARNING"):
         store = SampleStore(str(tmp_path))

@@ -60,7 +60,7 @@ def test_an_unknown_mode_is_refused():
 
 
 def test_a_cut_off_last_line_is_dropped_with_a_warning_and_a_corrupt_one_before_it_refused(tmp_path, caplog):
-    """Before: a JSONDecodeError from the first step of a resumed run (what a kill mid-write leaves)."""
+    """What a kill mid-write leaves does not crash the first step of the resumed run with a JSONDecodeError."""
     from opefo_trl.runs import MetricsFileError
 
     path = tmp_path / "metrics.jsonl"

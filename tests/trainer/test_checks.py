@@ -67,7 +67,7 @@ def test_good_reward_outputs_pass():
 
 
 def test_a_dict_or_nan_from_a_checked_function_is_reported_as_it_was_returned():
-    """Before: a dict was reported as "returned None", and NaN rewards trained (loss 0, grad-norm 0)."""
+    """A dict is named as a dict (not "returned None"); NaN rewards stop the run (they would train at loss 0)."""
     for returned, message in (
         ({"accuracy": 1.0, "format": 0.0}, "returned {'accuracy': 1.0, 'format': 0.0} (a dict); it must return a list"),
         (np.array([1.0, np.nan]), "returned nan for 1 of 2 completions (first: completion 1)"),
