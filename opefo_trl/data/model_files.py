@@ -139,13 +139,15 @@ def weight_file_fingerprint(path: str | os.PathLike) -> str:
     safetensors: its metadata and the first, middle and last rows of every tensor; other files: 64 blocks of 64 KiB
     spread over the file. Both with the file size. Training moves every trainable tensor, hence its sampled blocks.
     """
+    from safetensors import SafetensorError
+
     size = os.path.getsize(path)
     digest = hashlib.sha256(str(size).encode())
     if os.fspath(path).endswith(".safetensors"):
         try:
             _safetensors_digest(path, digest)
             return digest.hexdigest()[:32]
-        except Exception:  # safetensors cannot read it (a damaged file): fingerprint it as bytes
+        except SafetensorError:  # safetensors cannot read it (a damaged file): fingerprint it as bytes
             digest = hashlib.sha256(str(size).encode())
     with open(path, "rb") as f:
         block = 1 << 16

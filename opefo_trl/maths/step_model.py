@@ -223,15 +223,16 @@ class StepModel:
     @torch.no_grad()
     def change(self, lam: float) -> float:
         self.evaluations += 1
-        clip, groups, total = self.clip(lam), self._groups, 0.0
+        clip, groups, dots = self.clip(lam), self._groups, []
         for p, h, a, b in zip(self.params, self.entropy_grad, self.a, self.b, strict=True):
             h, a, b = (t.detach().reshape(-1) for t in (h, a, b))
             for start in range(0, p.numel(), _CHUNK):
                 part = slice(start, start + _CHUNK)
                 g = torch.add(a[part].double(), b[part].double(), alpha=lam).mul_(clip)
                 update = optimizer_update(self.optimizer, groups.get(id(p)), p, g, torch.float64, part)
-                total += float(torch.dot(h[part].double(), update))
-        return total
+                dots.append(torch.dot(h[part].double(), update))
+        # summed on the device: one host sync per evaluation, not one per chunk
+        return float(torch.stack([d.to(dots[0].device) for d in dots]).sum()) if dots else 0.0
 
 
 @dataclass

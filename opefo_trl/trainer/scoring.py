@@ -176,10 +176,9 @@ class Scorer:
         self, batch: dict, params: Sequence[torch.Tensor], direction: Sequence[torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """u_t and dH_t: the derivatives of log pi_t and of the measured entropy (``Scores.measured_entropies``) along
-        ``direction`` (one tensor per parameter of
-        ``params``), by forward-mode AD with float64 head maths (`opefo_trl.maths.param_jvp.completion_jvp`). The pass
-        runs in eval mode (no dropout; no gradient checkpointing, which drops forward-mode tangents): a no-grad pass
-        stores no activations, so nothing is lost."""
+        ``direction`` (one tensor per parameter of ``params``), by forward-mode AD with float64 head maths
+        (`opefo_trl.maths.param_jvp.completion_jvp`). The pass runs in eval mode (no dropout; no gradient
+        checkpointing, which drops forward-mode tangents): a no-grad pass stores no activations, so nothing is lost."""
         input_ids, attention_mask, length = sequence(batch)
         model = self.unwrap(self.model())
         text_config = self.core().config.get_text_config()

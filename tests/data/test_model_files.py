@@ -2,7 +2,7 @@
 
 import pytest
 
-from opefo_trl.data.model_files import check_model_name_or_path, model_context_length
+from opefo_trl.data.model_files import check_model_name_or_path, model_context_length, weight_fingerprints
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Context length
@@ -56,3 +56,37 @@ def test_model_file_fingerprints_follow_the_tokenizer_template_and_configs(tiny_
     (model / "additional_chat_templates" / "tools.jinja").write_text("{{ messages }}")
     again = model_file_fingerprints(model)
     assert again["additional_chat_templates/tools.jinja"] and {k: again[k] for k in prints} == prints
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Weight fingerprints
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_weight_fingerprints_follow_every_tensor_and_survive_a_damaged_file(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {
+        "embed": torch.randn(50, 8),
+        "norm": torch.ones(8),
+        "scale": torch.tensor(2.0),
+        "half": torch.randn(3, 4),
+    }
+    tensors["half"] = tensors["half"].to(torch.bfloat16)  # bytes, not numpy: bf16 has no numpy dtype
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    first = weight_fingerprints(tmp_path)
+    assert set(first) == {"model.safetensors"}
+    (tmp_path / "other.txt").write_text("not weights")
+    assert weight_fingerprints(tmp_path) == first  # content only: other files and mtimes do not count
+    for name, change in (("embed", (25, 3)), ("norm", (7,)), ("scale", ()), ("half", (2, 0))):
+        changed = {k: v.clone() for k, v in tensors.items()}
+        changed[name][change] += 1  # one element of the middle or last row, or a scalar
+        save_file(changed, tmp_path / "model.safetensors", metadata={"format": "pt"})
+        assert weight_fingerprints(tmp_path) != first, name
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert weight_fingerprints(tmp_path) == first
+    # a header safetensors cannot read: fingerprinted as bytes, not an error
+    (tmp_path / "model.safetensors").write_bytes(b"\x10" + b"\x00" * 7 + b"{garbage}       " + b"x" * 100)
+    damaged = weight_fingerprints(tmp_path)
+    assert damaged["model.safetensors"] != first["model.safetensors"] and len(damaged["model.safetensors"]) == 32
