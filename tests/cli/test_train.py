@@ -5,6 +5,7 @@ import json
 import os
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -803,7 +804,9 @@ def _start(tmp_path, argv, script=None, **env):
     import sys
 
     command = [sys.executable, "-c", script] if script else [sys.executable, "-m", "opefo_trl.cli.train"]
-    environment = {**os.environ, "PYTHONPATH": str(tmp_path), "HF_HUB_OFFLINE": "1", **env}
+    # The checkout under test first: the package's installed copy may be another checkout's.
+    python_path = os.pathsep.join([env.pop("PYTHONPATH", str(tmp_path)), str(Path(__file__).parents[2])])
+    environment = {**os.environ, "PYTHONPATH": python_path, "HF_HUB_OFFLINE": "1", **env}
     return subprocess.Popen([*command, *argv], env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
