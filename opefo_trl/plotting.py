@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from opefo_trl._extras import needs_extra
 from opefo_trl.runs import CHECKPOINT_RE, METRICS_FILE, METRICS_FILE_PER_RANK, TRAINER_STATE_NAME, checkpoints
 
 STATE_FILE = TRAINER_STATE_NAME
@@ -247,8 +248,9 @@ def plot_runs(
             group of ``runs`` (e.g. the policy before training) is drawn in black, dashed.
     """
     # A bare Figure (no pyplot): works headless and leaves a notebook's or script's own backend alone.
-    from matplotlib import rcParams
-    from matplotlib.figure import Figure
+    with needs_extra("plot", "matplotlib", "Plotting (opefo_trl.plotting, opefo-plot)"):
+        from matplotlib import rcParams
+        from matplotlib.figure import Figure
 
     if not runs:
         raise ValueError("plot_runs needs at least one run.")

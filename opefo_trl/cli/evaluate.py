@@ -28,6 +28,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from opefo_trl._extras import require_extra
 from opefo_trl.cli.options import INPUT_ERRORS, build_parser, parse_options, report_error
 
 PROG = "opefo-eval"
@@ -45,6 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         (config,) = parse_options(make_parser(), argv)
+        require_extra("math", "math_verify", f"{PROG} (scoring answers)")  # before any model loads
     except INPUT_ERRORS as err:
         return report_error(PROG, err)
 

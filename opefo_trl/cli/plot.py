@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from opefo_trl._extras import require_extra
 from opefo_trl.cli.options import INPUT_ERRORS, build_parser, parse_options, report_error
 
 PROG = "opefo-plot"
@@ -88,6 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         (options,) = parse_options(make_parser(), argv, positional="runs")
+        require_extra("plot", "matplotlib", PROG)
         runs = load_runs(options.runs)
         groups = {run.label: seed_group(run.label) for run in runs} if options.group else None
         result = plot_runs(runs, options.output, groups=groups, smoothing=options.smoothing, title=options.title)

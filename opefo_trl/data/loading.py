@@ -44,7 +44,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from opefo_trl.data.prompts import render_prompts
+from opefo_trl.data.prompts import gold_to_text, render_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -235,8 +235,6 @@ def extract_gsm8k_answer(text: str) -> str | None:
 
 def _plain_answer(value) -> str | None:
     """The gold answer as text; a list (several values, as in OlympiadBench) becomes ``a, b`` like the verifier's."""
-    from opefo_trl.data.rewards import gold_to_text
-
     if value is None:
         return None
     answer = gold_to_text(value)

@@ -7,7 +7,8 @@ evaluation and the demo.
 - :func:`render_prompts` turns TRL prompts (chats or plain strings) into token ids exactly as ``GRPOTrainer``
   tokenizes them before generating, so ``opefo-train``'s length check, ``opefo-eval`` and the demo see the very
   prompt the policy sees.
-- :func:`completion_to_text` turns a TRL completion back into the text a reward function scores.
+- :func:`completion_to_text` turns a TRL completion back into the text a reward function scores, and
+  :func:`gold_to_text` a data set's gold answer into the text it is compared with.
 
 Registered templates:
 
@@ -227,3 +228,24 @@ def completion_to_text(completion: Any) -> str:
         "Expected a completion as a string or a list of chat messages ending in an assistant turn "
         f"([{{'role': 'assistant', 'content': ...}}]), got {completion!r:.200}."
     )
+
+
+def gold_to_text(gold: Any) -> str:
+    r"""Turn a gold answer into one LaTeX string: a list (OlympiadBench ``final_answer``) becomes ``a, b``.
+
+    Example:
+        >>> gold_to_text(["$\\frac{1}{2}$"]), gold_to_text([1, 2]), gold_to_text(42)
+        ('\\frac{1}{2}', '1, 2', '42')
+    """
+    if isinstance(gold, (list, tuple)):
+        return ", ".join(_strip_math_delimiters(gold_to_text(item)) for item in gold)
+    if gold is None:
+        return ""
+    return str(gold).strip()
+
+
+def _strip_math_delimiters(text: str) -> str:
+    text = text.strip()
+    if len(text) >= 2 and text.startswith("$") and text.endswith("$"):
+        return text.strip("$").strip()
+    return text

@@ -49,10 +49,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-from math_verify.errors import TimeoutException
+from opefo_trl._extras import needs_extra
+from opefo_trl.data.prompts import completion_to_text, gold_to_text
 
-from opefo_trl.data.prompts import completion_to_text
+with needs_extra("math", "math_verify", "The math-verify reward (opefo_trl.data.rewards, math_accuracy_reward)"):
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+    from math_verify.errors import TimeoutException
 
 logger = logging.getLogger(__name__)
 
@@ -164,27 +166,6 @@ def _parse(text: str, extraction_config, extraction_mode: str = "first_match") -
         raise VerificationFailure(f"math-verify parsing timed out after {parsing_timeout} s") from err
     except Exception as err:
         raise VerificationFailure(f"math-verify parsing raised {type(err).__name__}: {err}") from err
-
-
-def gold_to_text(gold: Any) -> str:
-    r"""Turn a gold answer into one LaTeX string: a list (OlympiadBench ``final_answer``) becomes ``a, b``.
-
-    Example:
-        >>> gold_to_text(["$\\frac{1}{2}$"]), gold_to_text([1, 2]), gold_to_text(42)
-        ('\\frac{1}{2}', '1, 2', '42')
-    """
-    if isinstance(gold, (list, tuple)):
-        return ", ".join(_strip_math_delimiters(gold_to_text(item)) for item in gold)
-    if gold is None:
-        return ""
-    return str(gold).strip()
-
-
-def _strip_math_delimiters(text: str) -> str:
-    text = text.strip()
-    if len(text) >= 2 and text.startswith("$") and text.endswith("$"):
-        return text.strip("$").strip()
-    return text
 
 
 @lru_cache(maxsize=8192)

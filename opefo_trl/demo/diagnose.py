@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from opefo_trl._extras import needs_extra, require_extra
 from opefo_trl.demo.runner import ENVIRONMENT, needs_own_process, run_dir
 from opefo_trl.demo.settings import NUMERICS, NUMERICS_VARIABLES, DemoMethod, DemoSettings, demo_methods
 from opefo_trl.demo.training import FINGERPRINT_METRICS, train_one
@@ -281,7 +282,9 @@ def plot_diagnosis(history: list[dict], records: list[dict], path: str, title: s
     momentum part); the real network's net / gross flow of the applied vs the unweighted update; sign disagreement;
     the non-digit tokens' share of the decrease flow N by each estimate; entropy, reward and gradient norm."""
     import numpy as np
-    from matplotlib.figure import Figure
+
+    with needs_extra("plot", "matplotlib", "plot_diagnosis"):
+        from matplotlib.figure import Figure
 
     rows = [r for r in history if "entropy" in r]
     steps = np.arange(1, len(records) + 1)
@@ -347,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         (settings,) = parse_options(parser, argv)
+        require_extra("plot", "matplotlib", "python -m opefo_trl.demo.diagnose (its figure)")
         check_diagnosable(settings)
     except INPUT_ERRORS as err:
         return report_error(parser.prog, err)

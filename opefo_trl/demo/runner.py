@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import replace
 
+from opefo_trl._extras import require_extra
 from opefo_trl.demo.evaluate import HeldOutResult, evaluate_held_out
 from opefo_trl.demo.report import summary_dict, summary_markdown
 from opefo_trl.demo.settings import NUMERICS, NUMERICS_VARIABLES, DemoMethod, DemoSettings, Numerics, demo_methods
@@ -61,6 +62,7 @@ def check_demo(output_dir: str, settings: DemoSettings) -> None:
     every run's ``OPEFOConfig`` (`opefo_trl.trainer.checks.check_training_values`)."""
     from opefo_trl.trainer.checks import check_training_values
 
+    require_extra("plot", "matplotlib", "The demo (its curves)")
     settings.validate()
     assert settings.seeds is not None  # DemoSettings.__post_init__ fills the settings left at None
     methods = demo_methods(settings.entropy_coef)
