@@ -15,9 +15,9 @@ import os
 from dataclasses import dataclass
 from typing import cast
 
-from opefo_trl._compat import check_trl_version
+from opefo_trl._compat import check_installed_trl
 
-check_trl_version()
+check_installed_trl()
 
 from trl import GRPOConfig  # noqa: E402
 

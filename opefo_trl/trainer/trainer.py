@@ -36,9 +36,9 @@ from functools import partial
 
 import torch
 
-from opefo_trl._compat import check_trl_version
+from opefo_trl._compat import check_installed_trl
 
-check_trl_version()
+check_installed_trl()
 
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.trainer.utils import get_config_model_id  # noqa: E402
