@@ -1,0 +1,37 @@
+"""The README's CPU drop-in example, run as it is written there (read from README.md, so the two cannot drift)."""
+
+import math
+import os
+import re
+
+README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+MARKER = "<!-- CPU example: tests/test_readme.py runs the next code block -->"
+
+
+def readme_cpu_example() -> str:
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    assert text.count(MARKER) == 1, f"README.md must hold the marker {MARKER!r} once, right above the CPU example"
+    block = re.match(r"\s*```python\n(.*?)\n```", text.split(MARKER, 1)[1], re.DOTALL)
+    assert block is not None, "the CPU example's marker must be followed by a ```python block"
+    return block.group(1)
+
+
+def test_the_readme_cpu_example_trains_one_step_offline(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the example writes ./tiny-qwen2 and ./tiny-opefo
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    namespace: dict = {}
+    exec(compile(readme_cpu_example(), "README.md (CPU example)", "exec"), namespace)
+    trainer = namespace["trainer"]
+    assert trainer.state.global_step == 1 and (tmp_path / "tiny-qwen2" / "config.json").exists()
+    logged = trainer.state.log_history[-2]
+    # lambda* balances the logged flows: S+ (1 + lambda) = S- (1 - lambda).
+    increase, decrease, lam = (
+        logged["entropy_flow/increase"],
+        logged["entropy_flow/decrease"],
+        logged["entropy_flow/lambda"],
+    )
+    assert (
+        increase > 0 and decrease > 0 and math.isclose(lam, (decrease - increase) / (decrease + increase), rel_tol=1e-5)
+    )
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str(lam)
