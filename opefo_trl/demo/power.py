@@ -9,6 +9,7 @@ once
 
 Taking d as the difference a demo observed overstates it for the comparisons picked because they looked large (and
 n, planned from it, is then too small): read the figures as the seeds needed if the observed difference were true.
+The report itself (``opefo_trl.demo.report``) states no direction for a comparison run on fewer seeds than this.
 
 ``python -m opefo_trl.demo.power runs/demo-full/summary.json`` prints, per numerics setting and method, the
 figure's means and spreads and the seeds needed (``--figure pass@1``, ``--power 0.9`` for others).
@@ -22,22 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 from collections.abc import Sequence
 
-from opefo_trl.demo.report import BASELINE, STANDARD_ERRORS
-
-DEFAULT_POWER = 0.8
-
-
-def seeds_needed(difference: float, std: float, baseline_std: float, power: float = DEFAULT_POWER) -> int | None:
-    """Seeds per method for the comparison rule to decide a true ``difference`` with probability ``power``; None
-    when the difference is 0 (no number of seeds decides it)."""
-    if difference == 0:
-        return None
-    z = STANDARD_ERRORS + statistics.NormalDist().inv_cdf(power)
-    return max(2, math.ceil(z * z * (std * std + baseline_std * baseline_std) / (difference * difference)))
+from opefo_trl.demo.report import BASELINE, DEFAULT_POWER, seeds_needed
 
 
 def power_table(summary: dict, figure: str = "pass@64", power: float = DEFAULT_POWER) -> list[dict]:

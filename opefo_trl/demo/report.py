@@ -5,11 +5,17 @@ The rules are the README's pre-registration ("make demo", "Pre-registered"), fix
 - a run *failed* when its final reward is <= ``FAILED_REWARD``, its final entropy exceeds ``FAILED_ENTROPY_RATIO``
   times its first step's, or either is not finite (``failure_reason``);
 - per method and numerics setting: failures / runs, and mean ± std over the non-failed runs beside all runs;
-- the readings (``readings``) are decided per setting, and hold only where they hold in every setting.
+- the readings (``readings``) are decided per setting, and hold only where they hold in every setting;
+- a comparison with GRPO states a direction only on as many seeds as the power analysis asks: those that decide the
+  measured difference at the measured spreads with probability 0.8 (:func:`seeds_needed`, ``opefo_trl.demo.power``),
+  at most the ``PREREGISTERED_SEEDS`` that docs/demo.md fixed from it for ``make demo-full`` (whose comparisons are
+  decided as pre-registered). With fewer it reads ``underpowered``, with the seeds needed, whatever the means say.
 
 Example:
     >>> is_above([3.0, 3.2, 3.1], [1.0, 1.1, 0.9]), is_above([1.0, 1.2], [1.1, 1.0])
     ('above', 'no difference shown')
+    >>> versus_baseline([0.67, 0.57, 0.77], [0.5, 0.6, 0.4])  # 2.08 standard errors apart: 3 seeds of 6 needed
+    ('underpowered', 6)
 """
 
 from __future__ import annotations
@@ -33,6 +39,11 @@ REGIME_ENTROPY_RATIO = 0.6
 HOLDS_ENTROPY_RATIO = 0.8
 #: Reading 4: a difference of means counts when it exceeds this many standard errors.
 STANDARD_ERRORS = 2.0
+#: ... and states a direction only with the seeds needed to decide it with this probability, at most this many
+#: (the seeds per method the pre-registered power analysis fixed: docs/demo.md, second amendment).
+DEFAULT_POWER = 0.8
+PREREGISTERED_SEEDS = 16
+UNDERPOWERED = "underpowered"
 BASELINE = "grpo"
 
 
@@ -153,6 +164,30 @@ def is_above(values: Sequence[float], baseline: Sequence[float]) -> str:
     return "no difference shown"
 
 
+def seeds_needed(difference: float, std: float, baseline_std: float, power: float = DEFAULT_POWER) -> int | None:
+    """Seeds per method for :func:`is_above` to decide a true ``difference`` with probability ``power`` (the formula
+    is in ``opefo_trl.demo.power``); None when the difference is 0 (no number of seeds decides it)."""
+    if difference == 0:
+        return None
+    z = STANDARD_ERRORS + statistics.NormalDist().inv_cdf(power)
+    return max(2, math.ceil(z * z * (std * std + baseline_std * baseline_std) / (difference * difference)))
+
+
+def versus_baseline(values: Sequence[float], baseline: Sequence[float]) -> tuple[str, int | None]:
+    """:func:`is_above`'s verdict and the seeds the power analysis asks for it (the measured difference and spreads
+    taken as true; at most ``PREREGISTERED_SEEDS``); a direction on fewer seeds becomes ``UNDERPOWERED``: a
+    difference that few seeds can show is as likely a draw of the seeds as an effect."""
+    verdict = is_above(values, baseline)
+    if verdict not in ("above", "below"):
+        return verdict, None
+    difference = statistics.fmean(values) - statistics.fmean(baseline)
+    needed = seeds_needed(difference, statistics.stdev(values), statistics.stdev(baseline))
+    needed = PREREGISTERED_SEEDS if needed is None else min(needed, PREREGISTERED_SEEDS)
+    if min(len(values), len(baseline)) < needed:
+        return UNDERPOWERED, needed
+    return verdict, needed
+
+
 @dataclass
 class Reading:
     """A pre-registered reading, its verdict in each numerics setting, and whether one verdict holds in all."""
@@ -232,7 +267,10 @@ def readings(summaries: Mapping[str, Mapping[str, MethodSummary]], pass_at_k: Se
                     return None
                 mine, theirs = s.values[figure], grpo.values[figure]
                 detail = f"{statistics.fmean(mine):.3f} vs {statistics.fmean(theirs):.3f}" if mine and theirs else ""
-                return is_above(mine, theirs), detail
+                verdict, needed = versus_baseline(mine, theirs)
+                if verdict == UNDERPOWERED:
+                    detail += f"; {min(len(mine), len(theirs))} seeds, {needed} needed"
+                return verdict, detail
 
             add(f"4. {method} vs GRPO on {figure} (non-failed runs, > {STANDARD_ERRORS:g} standard errors)", versus)
     return [r for r in found if r.verdicts]
@@ -355,6 +393,15 @@ def summary_markdown(
             cells = [r.cell(t) for t in summaries]
             holds = r.holds if len(r.verdicts) == len(summaries) else "not run in every setting"
             lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in [r.text, *cells, holds]) + " |")
+        if any(UNDERPOWERED in r.verdicts.values() for r in found):
+            lines += [
+                "",
+                f"{UNDERPOWERED}: the means differ by more than {STANDARD_ERRORS:g} standard errors, but at the "
+                f"spreads measured here the rule needs more seeds than were run to decide such a difference with "
+                f"probability {DEFAULT_POWER:g} (`python -m opefo_trl.demo.power summary.json`; at most the "
+                f"{PREREGISTERED_SEEDS} of `make demo-full`), so no direction is stated. Rerun with `--seeds` as "
+                "many as the reading says are needed.",
+            ]
     lines += [
         "",
         "Curves: `curves.png` (mean ± std over seeds and settings); per setting `curves-<numerics>.png` when there "

@@ -13,9 +13,11 @@ from opefo_trl.demo.report import (
     identical_runs,
     is_above,
     readings,
+    seeds_needed,
     summarize,
     summary_dict,
     summary_markdown,
+    versus_baseline,
 )
 
 
@@ -80,6 +82,35 @@ def test_is_above_uses_two_standard_errors():
     assert is_above([1.15 + d for d in (-0.1, 0.0, 0.1)], baseline) == "no difference shown"
     assert is_above([0.83 + d for d in (-0.1, 0.0, 0.1)], baseline) == "below"
     assert is_above([2.0], baseline) == "too few runs"
+
+
+def test_a_direction_on_fewer_seeds_than_the_power_analysis_asks_is_reported_underpowered():
+    # 0.17 apart with spreads 0.1: above 2 standard errors (0.163 at 3 seeds), but deciding it with power 0.8 takes
+    # n >= (2 + 0.8416)^2 (0.1^2 + 0.1^2) / 0.17^2 = 5.58 seeds, so 6.
+    three, baseline = [0.67, 0.57, 0.77], [0.5, 0.6, 0.4]
+    assert is_above(three, baseline) == "above"
+    assert versus_baseline(three, baseline) == ("underpowered", 6) and seeds_needed(0.17, 0.1, 0.1) == 6
+    assert versus_baseline([x - 0.34 for x in three], baseline) == ("underpowered", 6)  # below: no direction either
+    # 8 seeds of the same values: spreads sqrt(8/7) x 0.1, so 7 needed, and 8 run: the direction stands.
+    assert versus_baseline([0.57, 0.77] * 4, [0.4, 0.6] * 4) == ("above", 7)
+    # Just over 2 standard errors on 16 seeds (0.075 > 0.073) would need 31, but the pre-registered 16 decide it.
+    assert seeds_needed(0.075, 0.1 * (16 / 15) ** 0.5, 0.1 * (16 / 15) ** 0.5) == 31
+    assert versus_baseline([0.175, -0.025] * 8, [0.1, -0.1] * 8) == ("above", 16)
+    # 12 seeds, 0.1 apart (2.35 standard errors): 18 needed, capped at 16, and 12 are fewer.
+    assert versus_baseline([0.2, 0.0] * 6, [0.1, -0.1] * 6) == ("underpowered", 16)
+    assert versus_baseline([1.15, 1.05, 1.25], [1.0, 1.1, 0.9]) == ("no difference shown", None)  # 0.15 < 0.163
+
+
+def test_the_report_states_no_direction_from_an_underpowered_comparison():
+    grpo = [_result("grpo", seed, reward_final=r) for seed, r in enumerate([0.5, 0.6, 0.4])]
+    opefo = [_result("opefo", seed, reward_final=r) for seed, r in enumerate([0.67, 0.57, 0.77])]
+    settings = DemoSettings(seeds=[0, 1, 2], methods=["grpo", "opefo"], pass_at_k=[1, 4])
+    table = summary_markdown(grpo + opefo, settings, {"threads1": None})
+    row = _by_line(table, "| 4. opefo vs GRPO on reward_final")
+    assert "| underpowered (0.670 vs 0.500; 3 seeds, 6 needed) | underpowered |" in row and "above" not in row
+    assert "no direction is stated. Rerun with `--seeds` as many as the reading says are needed." in table
+    found = summary_dict(grpo + opefo, settings, {"threads1": None})["readings"]
+    assert next(r for r in found if r["reading"].startswith("4. opefo vs GRPO on reward"))["holds"] == "underpowered"
 
 
 def _by_text(found, start):
