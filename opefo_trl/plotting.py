@@ -46,9 +46,12 @@ class Panel:
     metrics: tuple[str, ...]
     #: Drawn only when some run logged it, and not reported missing otherwise (metrics most runs need not log).
     optional: bool = False
-    #: matplotlib y scale; "log" for the flows, whose size differs by orders of magnitude between estimates (the
-    #: `param` flow is in parameter-space units, the tabular ones per logit).
+    #: matplotlib y scale; "log" for the flows, which shrink by orders of magnitude as the entropy collapses.
     yscale: str = "linear"
+    #: Divide each run's lines by the sum of the panel's metrics at the run's first step that logged them all: the
+    #: `param` flow (parameter-space units, ~1e3-1e4 on the demo) and the tabular ones (per logit, ~1e-1) on one
+    #: axis, each starting from its own size.
+    relative_to_first_step: bool = False
 
 
 DEFAULT_PANELS: tuple[Panel, ...] = (
@@ -56,10 +59,11 @@ DEFAULT_PANELS: tuple[Panel, ...] = (
     Panel("Reward", "mean reward", ("reward",)),
     Panel("OPEFO balance coefficient", "lambda*", ("entropy_flow/lambda",)),
     Panel(
-        "Entropy flow (solid: increase P, dashed: decrease N)",
-        "first-order flow",
+        "Entropy flow, over the first step's P + N\n(solid: increase P, dashed: decrease N)",
+        "flow / first step's P + N",
         ("entropy_flow/increase", "entropy_flow/decrease"),
         yscale="log",
+        relative_to_first_step=True,
     ),
     Panel(
         "Entropy change per update (solid: measured, dashed: predicted)",
@@ -69,6 +73,8 @@ DEFAULT_PANELS: tuple[Panel, ...] = (
     ),
 )
 _LINESTYLES = ("-", "--", ":", "-.")
+#: The title's distance from the figure's top edge, in inches.
+_TITLE_MARGIN_IN = 0.1
 
 
 class RunNotFoundError(FileNotFoundError):
@@ -208,10 +214,25 @@ def _smooth(values: np.ndarray, weight: float) -> np.ndarray:
     return out
 
 
-def _group_series(runs: Sequence[RunHistory], metric: str, smoothing: float):
-    """Mean and std over runs at the steps every run that logged ``metric`` has; None if no run has it."""
-    series = [run.series(metric) for run in runs]
-    series = [(s, _smooth(v, smoothing)) for s, v in series if len(s)]
+def first_step_total(run: RunHistory, metrics: Sequence[str]) -> float | None:
+    """The sum of ``metrics`` at the first step where ``run`` logged all of them; None if none or not positive."""
+    series = [dict(zip(*run.series(m), strict=True)) for m in metrics]
+    common = sorted(set.intersection(*(set(s) for s in series)))
+    total = sum(s[common[0]] for s in series) if common else 0.0
+    return total if total > 0 else None
+
+
+def _group_series(
+    runs: Sequence[RunHistory], metric: str, smoothing: float, relative_to: Sequence[str] | None = None
+):
+    """Mean and std over runs at the steps every run that logged ``metric`` has; None if no run has it. With
+    ``relative_to``, each run's values are divided by its :func:`first_step_total` of those metrics first."""
+    series = []
+    for run in runs:
+        steps, values = run.series(metric)
+        scale = first_step_total(run, relative_to) if relative_to else 1.0
+        if len(steps) and scale is not None:
+            series.append((steps, _smooth(values / scale, smoothing)))
     if not series:
         return None
     common = series[0][0]
@@ -287,7 +308,8 @@ def plot_runs(
         for g, (name, members) in enumerate(grouped.items()):
             color = colors[g % len(colors)]
             for k, metric in enumerate(panel.metrics):
-                stats = _group_series(members, metric, smoothing)
+                relative_to = panel.metrics if panel.relative_to_first_step else None
+                stats = _group_series(members, metric, smoothing, relative_to)
                 if stats is None:
                     continue
                 steps, mean, std, n = stats
@@ -335,11 +357,11 @@ def plot_runs(
         plotted.append("pass@k")
     for ax in list(axes.flat)[panels_drawn:]:
         ax.set_visible(False)
-    if title:
-        fig.suptitle(title)
+    if title:  # its default height is a fraction of the figure's, which a tall grid's top panel titles overlapped
+        fig.suptitle(title, y=1 - _TITLE_MARGIN_IN / fig.get_figheight(), va="top")
     if missing:
         fig.text(0.01, 0.005, "Not logged by any run: " + ", ".join(missing), fontsize=8, color="0.4")
-    fig.tight_layout(rect=(0, 0.03 if missing else 0, 1, 1))
+    fig.tight_layout(rect=(0, 0.03 if missing else 0, 1, 1))  # keeps the panels clear of the title
     output_path = os.fspath(output_path)
     os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
     fig.savefig(output_path, dpi=120)

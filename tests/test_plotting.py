@@ -9,7 +9,7 @@ from conftest import png_size, trainer_state_rows, write_trainer_state
 
 from opefo_trl.cli.plot import main as plot_main
 from opefo_trl.cli.plot import seed_group
-from opefo_trl.plotting import RunNotFoundError, find_state_file, load_run, load_runs, plot_runs
+from opefo_trl.plotting import DEFAULT_PANELS, Panel, RunNotFoundError, find_state_file, load_run, load_runs, plot_runs
 
 
 def test_series_reads_only_logged_training_steps(tmp_path):
@@ -198,3 +198,56 @@ def test_metrics_jsonl_is_preferred_to_a_checkpoint_and_trainer_state_to_both(tm
     (tmp_path / "bad" / "metrics.jsonl").write_text('{"step": 1\n{"step": 2}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl', line 1, is not valid JSON"):
         load_run(tmp_path / "bad")
+
+
+def _drawn_figure(monkeypatch):
+    """Keep the Figure `plot_runs` saves, to measure what it drew."""
+    from matplotlib.figure import Figure
+
+    saved = []
+    original = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (saved.append(fig), original(fig, *a, **k))[1])
+    return saved
+
+
+def test_the_title_overlaps_no_panel_title(tmp_path, monkeypatch):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    saved = _drawn_figure(monkeypatch)
+    runs = load_runs([write_trainer_state(tmp_path / name, trainer_state_rows(6, 2.0)) for name in ("grpo", "opefo")])
+    title = "digit_sum task, tiny Qwen2, 16 seed(s), numerics threads1 and mkl_compatible (EMA-smoothed 0.6)"
+    more = tuple(Panel(f"Panel {i}", "value", ("reward",)) for i in range(4))  # 9 panels in 5 rows, as the demo
+    pass_at_k = {"grpo": [{1: 0.1, 4: 0.3}]}
+    plot_runs(runs, tmp_path / "curves.png", title=title, pass_at_k=pass_at_k, panels=(*DEFAULT_PANELS, *more))
+    (fig,) = saved
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    title_box = fig.get_suptitle() and fig._suptitle.get_window_extent(renderer)
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(panels) == 9 and title_box
+    for ax in panels:
+        top = max(ax.title.get_window_extent(renderer).y1, ax.get_window_extent(renderer).y1)
+        assert title_box.y0 > top, f"the figure title overlaps the panel {ax.get_title()!r}"
+    assert fig.bbox.y1 >= title_box.y1  # and is inside the figure
+
+
+def test_flows_of_different_estimates_share_one_axis_relative_to_their_first_step(tmp_path, monkeypatch):
+    saved = _drawn_figure(monkeypatch)
+    tabular = trainer_state_rows(6, 2.0)
+    param = [
+        {k: v * 1e4 if k.startswith("entropy_flow/") and "lambda" not in k else v for k, v in row.items()}
+        for row in tabular
+    ]  # the `param` flow's units: the same shape, 1e4 times the size
+    runs = load_runs([write_trainer_state(tmp_path / "opefo", tabular), write_trainer_state(tmp_path / "param", param)])
+    plot_runs(runs, tmp_path / "curves.png")
+    (fig,) = saved
+    flow_ax = next(ax for ax in fig.axes if ax.get_title().startswith("Entropy flow"))
+    lines = {(line.get_color(), line.get_linestyle()): line.get_ydata() for line in flow_ax.get_lines()}
+    assert len(lines) == 4  # increase and decrease of both runs
+    increase = [y for (_, style), y in lines.items() if style == "-"]
+    # Each run's P_t / (P_1 + N_1), with P_t = 1 + t, N_t = 2 + t: the same line for both estimates.
+    expected = np.array([(1.0 + t) / 5.0 for t in range(1, 7)])
+    for y in increase:
+        np.testing.assert_allclose(y, expected, rtol=1e-12)
+    low, high = flow_ax.get_ylim()
+    assert high / low < 10  # not the 1e4 a shared absolute axis would span
