@@ -222,9 +222,7 @@ def first_step_total(run: RunHistory, metrics: Sequence[str]) -> float | None:
     return total if total > 0 else None
 
 
-def _group_series(
-    runs: Sequence[RunHistory], metric: str, smoothing: float, relative_to: Sequence[str] | None = None
-):
+def _group_series(runs: Sequence[RunHistory], metric: str, smoothing: float, relative_to: Sequence[str] | None = None):
     """Mean and std over runs at the steps every run that logged ``metric`` has; None if no run has it. With
     ``relative_to``, each run's values are divided by its :func:`first_step_total` of those metrics first."""
     series = []

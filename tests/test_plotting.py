@@ -248,6 +248,6 @@ def test_flows_of_different_estimates_share_one_axis_relative_to_their_first_ste
     # Each run's P_t / (P_1 + N_1), with P_t = 1 + t, N_t = 2 + t: the same line for both estimates.
     expected = np.array([(1.0 + t) / 5.0 for t in range(1, 7)])
     for y in increase:
-        np.testing.assert_allclose(y, expected, rtol=1e-12)
+        np.testing.assert_allclose(y, expected, rtol=1e-12)  # one float64 division apart: ~1e-16
     low, high = flow_ax.get_ylim()
     assert high / low < 10  # not the 1e4 a shared absolute axis would span
