@@ -114,7 +114,8 @@ def test_a_method_with_micro_batch_terms_keeps_trls_pass(
     from opefo_trl.methods import OPEFO, TokenTerms
 
     monkeypatch.setattr(OPEFO, "micro_batch_terms", lambda self, batch, logps, context=None: TokenTerms())
-    trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path, **STEP_BALANCE))
+    with pytest.warns(UserWarning, match=r"adds micro-batch terms .* TRL's training pass is run instead"):
+        trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path, **STEP_BALANCE))
     assert trainer.loss_mirror.gradient_is_linear and not trainer.rollout.writes_gradient
 
 
