@@ -51,7 +51,10 @@ def float64_reference(model_path, batch, temperature, direction=None, step=0.0):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64).eval()
+    from opefo_trl.testing import keep_rms_norm_in_model_dtype
+
+    # Qwen2's RMSNorm computes in float32 whatever the model's dtype: kept in float64 here.
+    model = keep_rms_norm_in_model_dtype(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)).eval()
     if direction is not None:
         with torch.no_grad():
             for name, p in model.named_parameters():
