@@ -26,7 +26,8 @@ is left of the measured change is second order: it shrinks ~4x when the learning
 What a user means by holding entropy is the policy's, not one batch's: ``held-out drift`` is the change, since the
 start, of the mean token entropy of ``--held_out`` completions sampled once from the initial model on prompts no run
 trains on (``--held_out_first_prompt``: by default the prompts that follow the training set's 64), re-scored in
-float64 after every optimizer step (a copy of the model cast to float64). It is measured for
+float64 after every optimizer step (a plain float64 copy of the model, loaded once without TRL's patched forward or
+head cast, given the trained parameters' values). It is measured for
 GRPO, the step balance on its own batch, and the step balance on a probe of the last ``--probe_rollouts`` rollouts
 (``entropy_flow_probe_rollouts``), and the step balance on a fixed probe of ``--probe_prompts`` other prompts'
 completions sampled once at the start (``probe_dataset``); none of the held-out completions is in either probe.
@@ -34,7 +35,6 @@ completions sampled once at the start (``probe_dataset``); none of the held-out 
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import statistics
@@ -137,6 +137,9 @@ class HeldOut:
     attention_mask: torch.Tensor
     completion_mask: torch.Tensor
     prompt_length: int
+    #: A plain float64 copy of the model (RMSNorm in float64, none of TRL's patched forward, head cast or hooks),
+    #: given the trained model's parameter values before each re-score.
+    reference: torch.nn.Module
 
     @classmethod
     def sample(cls, model_path: str, count: int, first_prompt: int, seed: int) -> HeldOut:
@@ -158,13 +161,17 @@ class HeldOut:
         ended = (completion == tokenizer.eos_token_id).int().cumsum(1)
         completion_mask = ((ended == 0) | ((ended == 1) & (completion == tokenizer.eos_token_id))).long()
         attention_mask = torch.cat([prompts["attention_mask"].repeat_interleave(4, 0), completion_mask], 1)
-        return cls(sequences, attention_mask, completion_mask, prompt_length)
+        reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
+        return cls(sequences, attention_mask, completion_mask, prompt_length, keep_rms_norm_in_model_dtype(reference))
 
     @torch.no_grad()
     def entropy(self, model) -> float:
-        model64 = keep_rms_norm_in_model_dtype(copy.deepcopy(model).double())
-        logits = model64(input_ids=self.input_ids, attention_mask=self.attention_mask).logits
-        logp = torch.log_softmax(logits[:, self.prompt_length - 1 : -1].double(), -1)
+        trained = dict(model.named_parameters())
+        for name, p in self.reference.named_parameters():
+            p.copy_(trained[name])
+        logits = self.reference.eval()(input_ids=self.input_ids, attention_mask=self.attention_mask).logits
+        assert logits.dtype == torch.float64
+        logp = torch.log_softmax(logits[:, self.prompt_length - 1 : -1], -1)
         entropies = -(logp.exp() * logp).sum(-1)
         mask = self.completion_mask.double()
         return float((entropies * mask).sum() / mask.sum())

@@ -16,6 +16,8 @@ Pure torch, no TRL import. A method is one class, registered by name with ``@reg
   ``logps`` still attached to the graph: ``TokenTerms`` (advantage weights and/or an extra per-token loss, which the
   trainer aggregates exactly like TRL's policy loss).
 - ``on_optimizer_step(context)``: once per optimizer step, after its last micro-batch (controllers, metrics).
+- ``balances_the_step``: the weights come from ``context.step_change`` (the trainer then refuses any term TRL's pass
+  adds to the gradient the step model assumes).
 - ``metrics`` (already reduced over ranks), ``regime_warning()``, ``state_dict()`` / ``load_state_dict()``.
 
 Because every weight is >= 0, scaling the per-token advantage by it is exactly the reweighted loss for every TRL
@@ -158,6 +160,21 @@ class TokenMethod:
         ``args`` is an ``OPEFOConfig`` or a ``GRPOConfig`` given the OPEFO options by ``OPEFOTrainer``: every option
         is an attribute.
         """
+
+    @classmethod
+    def weighs_tokens(cls) -> bool:
+        """Whether the method changes TRL's loss (weights or extra terms), i.e. relies on TRL's per-token factor."""
+        return (
+            cls.needs_rollout_pass
+            or cls.rollout_weights is not TokenMethod.rollout_weights
+            or cls.micro_batch_terms is not TokenMethod.micro_batch_terms
+        )
+
+    @property
+    def balances_the_step(self) -> bool:
+        """Whether the weights balance the step model (``context.step_change``), which models TRL's update as the
+        gradient the rollout pass writes: the trainer then refuses a TRL pass that adds anything to it."""
+        return False
 
     @classmethod
     def from_config(cls, config) -> TokenMethod:

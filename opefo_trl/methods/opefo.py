@@ -192,12 +192,13 @@ class OPEFO(TokenMethod):
                 f"{args.entropy_flow_estimate!r}, entropy_flow_preconditioner={args.entropy_flow_preconditioner!r}. "
                 "Set entropy_flow_estimate='param' and entropy_flow_preconditioner='adam', or opefo_balance='batch'."
             )
-        if step and (args.beta != 0 or args.entropy_coef != 0):
+        if step and (args.beta != 0 or args.entropy_coef != 0 or args.use_adaptive_entropy):
             raise ValueError(
                 f"opefo_balance='step' zeroes the first-order entropy change of the policy-gradient step, but the "
-                f"loss also has a KL term (beta={args.beta}) or an entropy bonus (entropy_coef={args.entropy_coef}) "
-                "whose gradients move the entropy outside the balance. Set beta=0 and entropy_coef=0 (the paper's "
-                "setup), or use opefo_balance='batch'."
+                f"loss also has a KL term (beta={args.beta}) or an entropy bonus (entropy_coef={args.entropy_coef}, "
+                f"use_adaptive_entropy={args.use_adaptive_entropy}) whose gradients move the entropy outside the "
+                "balance. Set beta=0, entropy_coef=0 and use_adaptive_entropy=False (the paper's setup), or use "
+                "opefo_balance='batch'."
             )
         reasons = off_policy_reasons(args)
         if reasons and step:
@@ -219,6 +220,10 @@ class OPEFO(TokenMethod):
                 "num_iterations=1 and leave steps_per_generation unset (it then equals gradient_accumulation_steps); "
                 f"or, for plain GRPO, {grpo_fix}; or, to run {args.method} off-policy deliberately, {off_policy_fix}."
             )
+
+    @property
+    def balances_the_step(self) -> bool:
+        return self.settings.opefo_balance == "step"
 
     @classmethod
     def from_config(cls, config) -> OPEFO:

@@ -236,6 +236,36 @@ def _check_task_tokens(args, method_class: type[TokenMethod]) -> None:
         )
 
 
+def uses_loss_factor(args, method_class: type[TokenMethod]) -> bool:
+    """Whether a configuration relies on TRL's per-token loss factor (``LossMirror.factor``): the method weighs tokens,
+    or the entropy flow is computed."""
+    return method_class.weighs_tokens() or args.entropy_flow_diagnostics
+
+
+def _refuse_unmodelled_updates(args, method_class: type[TokenMethod]) -> None:
+    """The GRPOConfig options whose update the per-token factor does not model, refused where the factor is used
+    (docs/algorithm.md section 2 lists every option that changes the update)."""
+    if not uses_loss_factor(args, method_class):
+        return
+    fix = (
+        "or, for plain GRPO with these options, method='grpo' and entropy_flow_diagnostics=False (no flow, no weights)"
+    )
+    if args.importance_sampling_level == "sequence":
+        raise ValueError(
+            "importance_sampling_level='sequence' is not modelled by OPEFOTrainer: TRL then weights each completion by "
+            "exp(the mean of its tokens' log-ratios), so a token's weight moves the whole sequence's log-probabilities "
+            "(1/n_i sum_s grad log pi_s) instead of its own, and the per-token factor, the entropy flow and the "
+            f"balance would describe an update that is not applied (method={args.method!r}, entropy_flow_diagnostics="
+            f"{args.entropy_flow_diagnostics}). Set importance_sampling_level='token' (TRL's default), {fix}."
+        )
+    if args.delta is not None and args.delta < 1.0:
+        raise ValueError(
+            f"delta={args.delta}: TRL's two-sided clip caps the ratio at delta, which below 1 removes the gradient of "
+            "every positive-advantage token even on-policy; the per-token factor does not model that. Set delta >= 1 "
+            f"(TRL recommends > 1 + epsilon) or None, {fix}."
+        )
+
+
 def validate_opefo_settings(args) -> None:
     """Check the OPEFO options of ``args`` (an OPEFOConfig, or a GRPOConfig given them by `with_opefo_settings`).
 
@@ -250,6 +280,7 @@ def validate_opefo_settings(args) -> None:
     method_class.settings_from(args)  # the selected method's settings validate on construction
     _refuse_settings_of_other_methods(args, method_class)
     method_class.check_config(args)
+    _refuse_unmodelled_updates(args, method_class)
     check_choice("entropy_flow_estimate", args.entropy_flow_estimate, FLOW_ESTIMATES)
     check_choice("entropy_flow_preconditioner", args.entropy_flow_preconditioner, PRECONDITIONERS)
     check_choice("entropy_flow_entropy", args.entropy_flow_entropy, ENTROPIES)

@@ -35,6 +35,8 @@ class LossCall:
         self.extra_loss: torch.Tensor | None = None
         self.weighted = False  # the deferred rollout weights were applied
         self.entropies_before: torch.Tensor | None = None  # for the audit
+        self.logps: torch.Tensor | None = None  # TRL's scored log pi_t, attached, and the factor used for them
+        self.factor: torch.Tensor | None = None
         self.full_precision = False  # the precision entropies_before were taken in
 
     def accepts(self, model) -> bool:
@@ -61,6 +63,8 @@ class MicroBatchWeigher:
     reduce_sum: sums a tensor over ranks; ``log_metrics``: where metrics go; ``main_process``: warnings go there.
     params: the trainable parameters, whose ``.grad`` a rollout's written gradient goes into.
     task_tokens: ``entropy_flow_task_tokens``: the diagnostics also log the shares of the flow sampled outside them.
+    check_mirror: the factor is used (flows, weights): the first micro-batch's TRL loss is checked against it once
+        (``LossMirror.check_against_trl``).
     """
 
     def __init__(
@@ -75,10 +79,12 @@ class MicroBatchWeigher:
         main_process: bool,
         params: Callable[[], list[torch.Tensor]] = list,
         task_tokens: torch.Tensor | None = None,
+        check_mirror: bool = True,
     ):
         self.method, self.estimate, self.diagnostics, self.rollout_flow = method, estimate, diagnostics, rollout_flow
         self.loss, self.log_metrics, self.main_process, self.params = loss, log_metrics, main_process, params
-        self.task_tokens = task_tokens
+        self.task_tokens, self.check_mirror = task_tokens, check_mirror
+        self.mirror_difference: float | None = None  # what the one-time check found
         self.context = MethodContext(reduce_sum)
         self.step_flow: FlowStats | None = None  # the unweighted (GRPO) update's flow, summed over the step
         self.step_off_task: FlowStats | None = None  # its part sampled outside the task's tokens
@@ -121,7 +127,7 @@ class MicroBatchWeigher:
         if terms.weights is not None:
             advantages = advantages * terms.weights
         inputs["advantages"] = advantages
-        call.extra_loss = terms.extra_loss
+        call.extra_loss, call.logps, call.factor = terms.extra_loss, logps, factor
         if unit is not None and self.diagnostics:
             stats = flow_stats(original * unit, factor)
             self.step_flow = stats if self.step_flow is None else self.step_flow + stats
@@ -141,6 +147,10 @@ class MicroBatchWeigher:
                 "OPEFOTrainer: the rollout weights were deferred to the training forward but never applied; the loss "
                 "did not score completions through _get_per_token_logps_and_entropies (unsupported TRL code path)."
             )
+        if self.check_mirror and call.logps is not None and call.factor is not None:
+            self.check_mirror = False  # once: the first micro-batch's TRL loss, before the method's own terms
+            self.mirror_difference = self.loss.check_against_trl(loss, call.logps, call.inputs, call.factor)
+        call.logps = None
         if call.extra_loss is not None:
             loss = loss + self.loss.aggregate(call.extra_loss, call.inputs)
         if call.state is not None and call.state.gradient is not None:  # the rollout's whole gradient, written once

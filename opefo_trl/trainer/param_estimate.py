@@ -78,6 +78,7 @@ class ParamEstimate:
         self.optimizer, self.max_grad_norm = optimizer, max_grad_norm
         self.log_metrics, self.main_process = log_metrics, main_process
         self._warned_imprecise = False
+        self._warned_fallback = False
         self._step: tuple[torch.Tensor, StepModel] | None = None  # this rollout's signs and step model
         #: The micro-batches (and loss masks) of the earlier rollouts in the probe, oldest first.
         self._earlier: deque[list[tuple[RolloutItem, torch.Tensor]]] = deque(maxlen=probe_rollouts - 1)
@@ -182,5 +183,12 @@ class ParamEstimate:
             moved = signs != 0
             lam = float(((weights - 1) * signs)[moved].median()) if moved.any() else 0.0
             if not torch.allclose(weights, 1 + lam * signs, rtol=0, atol=8 * torch.finfo(torch.float32).eps):
-                return None  # not weights of the form 1 + lambda * s_t
+                if not self._warned_fallback and self.main_process:
+                    self._warned_fallback = True
+                    warnings.warn(
+                        "The method's weights are not 1 + lambda * s_t of the step model it built, so TRL's training "
+                        "pass computes the gradient instead of the rollout pass (warned once).",
+                        stacklevel=2,
+                    )
+                return None
         return [a.add_(b, alpha=lam) for a, b in zip(model.a, model.b, strict=True)]

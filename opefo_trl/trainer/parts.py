@@ -7,6 +7,7 @@ the parts themselves take plain callables and values in their constructors.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -19,6 +20,7 @@ from opefo_trl.methods import TokenMethod
 from opefo_trl.trainer import model_setup
 from opefo_trl.trainer.audit import EntropyAudit
 from opefo_trl.trainer.checks import RewardCheck
+from opefo_trl.trainer.config import uses_loss_factor
 from opefo_trl.trainer.generation_stats import GenerationStats
 from opefo_trl.trainer.loss_mirror import LossMirror, trl_scores_rollout
 from opefo_trl.trainer.micro_batch import MicroBatchWeigher
@@ -89,6 +91,12 @@ def build_parts(trainer: Any, probe_prompts: Any = None) -> Parts:
         attention=access.core_model().config._attn_implementation,
     )
     loss_mirror = LossMirror.of(trainer)
+    if method.balances_the_step and loss_mirror.nonlinear_terms:
+        raise ValueError(
+            f"opefo_balance='step' balances the gradient the rollout pass writes, a + lambda b, but TRL's training "
+            f"pass would also apply {'; '.join(loss_mirror.nonlinear_terms)}, which move the entropy "
+            "outside the balance. Remove them (the paper's setup has none), or use opefo_balance='batch'."
+        )
     task_tokens = _task_tokens(args, access.core_model().config.get_text_config().vocab_size, trainer.model)
     checkpointing = args.gradient_checkpointing_kwargs
     assert not isinstance(checkpointing, str)  # TrainingArguments.__post_init__ parses a JSON string into a dict
@@ -127,6 +135,13 @@ def build_parts(trainer: Any, probe_prompts: Any = None) -> Parts:
     reads_generation = not (trl_scores or trainer.use_vllm) and estimate in TABULAR_ESTIMATES
     reads_generation = reads_generation and loss_mirror.steps_per_generation > 1
     rollout = None
+    writes_gradient = loss_mirror.gradient_is_linear and type(method).micro_batch_terms is TokenMethod.micro_batch_terms
+    if method.balances_the_step and not writes_gradient and trainer.accelerator.is_main_process:
+        warnings.warn(
+            f"{type(method).__name__} adds micro-batch terms to TRL's loss, so TRL's training pass is run instead of "
+            "writing the rollout's gradient, and the step balance does not include those terms.",
+            stacklevel=3,
+        )
     if rollout_flow:
         rollout = RolloutWeigher(
             method,
@@ -138,8 +153,7 @@ def build_parts(trainer: Any, probe_prompts: Any = None) -> Parts:
             access.reduce_sum,
             num_iterations=trainer.num_iterations,
             trl_scores_rollout=trl_scores,
-            writes_gradient=loss_mirror.gradient_is_linear
-            and type(method).micro_batch_terms is TokenMethod.micro_batch_terms,
+            writes_gradient=writes_gradient,
             generation=GenerationStats(trainer.temperature, estimate == "full") if reads_generation else None,
         )
     micro_batches = MicroBatchWeigher(
@@ -153,6 +167,7 @@ def build_parts(trainer: Any, probe_prompts: Any = None) -> Parts:
         trainer.accelerator.is_main_process,
         access.trainable_parameters,
         task_tokens=task_tokens,
+        check_mirror=uses_loss_factor(args, type(method)),
     )
     return Parts(access, loss_mirror, scorer, audit, param_estimate, rollout, micro_batches, RewardCheck())
 

@@ -48,3 +48,29 @@ def test_bad_settings_are_refused_before_any_work(capsys):
     assert "dtype must be 'float32' or 'float64'" in capsys.readouterr().err
     assert step_balance.main(["--probe_rollouts", "1"]) == 2
     assert "probe_rollouts must be 0 or >= 2" in capsys.readouterr().err
+
+
+def test_the_held_out_re_score_is_float64_whatever_trl_did_to_the_model(tiny_model_path, keep_dtype_rms_norm):
+    """The trained model carries TRL's fused head with its float32 head cast (what GRPOTrainer adds): the held-out
+    re-score must still be a float64 forward of the same weights, equal to an independent float64 model's full
+    softmax (the same operations in float64: ~1e-16; bound 1e-13). A deep copy cast to float64 keeps TRL's cast and
+    computes the logits in float32, ~1e-7 off."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    held_out = step_balance.HeldOut.sample(tiny_model_path, 8, step_balance.TRAINING_PROMPTS, seed=0)
+    trained = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.mul_(1 + 0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    add_fused_lm_head(trained, temperature=1.0, cast_lm_head_to_fp32=True, outputs=("log_probs", "entropy"))
+    reference = keep_dtype_rms_norm(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float64))
+    with torch.no_grad():
+        for p, q in zip(reference.parameters(), trained.parameters(), strict=True):
+            p.copy_(q)
+        logits = reference(input_ids=held_out.input_ids, attention_mask=held_out.attention_mask).logits
+    logp = torch.log_softmax(logits[:, held_out.prompt_length - 1 : -1], -1)
+    mask = held_out.completion_mask.double()
+    expected = float((-(logp.exp() * logp).sum(-1) * mask).sum() / mask.sum())
+    assert held_out.entropy(trained) == pytest.approx(expected, rel=0, abs=1e-13)

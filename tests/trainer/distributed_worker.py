@@ -1,5 +1,6 @@
 """Run by tests/trainer/test_distributed.py under `torchrun --nproc_per_node 2`: trains OPEFO two steps and saves, per
-rank, each rollout batch's per-token statistics, its micro-batches and the lambda the rank used."""
+rank, each rollout batch's per-token statistics, its micro-batches and the lambda the rank used (with a fixed probe
+of N prompts, also the rank's share of the probe)."""
 
 import os
 import sys
@@ -18,7 +19,16 @@ from opefo_trl.trainer.batch_state import STATE_KEY  # noqa: E402
 MICRO_BATCH_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "num_items_in_batch")
 
 
-def main(model_path: str, out_dir: str, accumulation: str, estimate: str, balance: str, loss_type: str, dtype: str):
+def main(
+    model_path: str,
+    out_dir: str,
+    accumulation: str,
+    estimate: str,
+    balance: str,
+    loss_type: str,
+    dtype: str,
+    probe_prompts: str = "0",
+):
     rows = [{"prompt": [{"role": "user", "content": f"What is {i} + {2 * i}?"}]} for i in range(16)]
     args = OPEFOConfig(
         output_dir=os.path.join(out_dir, "run"),
@@ -38,6 +48,10 @@ def main(model_path: str, out_dir: str, accumulation: str, estimate: str, balanc
         opefo_balance=balance,
         loss_type=loss_type,
     )
+    probe = [
+        {"prompt": [{"role": "user", "content": f"Probe {i}: what is {i} * 3?"}]} for i in range(int(probe_prompts))
+    ]
+    probe_dataset = Dataset.from_list(probe) if probe else None
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
     if dtype == "float64":
         keep_rms_norm_in_model_dtype(model)
@@ -47,6 +61,7 @@ def main(model_path: str, out_dir: str, accumulation: str, estimate: str, balanc
         reward_funcs=length_reward,
         args=args,
         train_dataset=Dataset.from_list(rows),
+        probe_dataset=probe_dataset,
     )
     records, micro_batches = [], []
     weigh, rollout_weights = trainer.rollout.weigh, trainer.token_method.rollout_weights
@@ -80,6 +95,10 @@ def main(model_path: str, out_dir: str, accumulation: str, estimate: str, balanc
     rank = trainer.accelerator.process_index
     assert trainer.accelerator.num_processes == 2, "expected two processes"
     torch.save(records, os.path.join(out_dir, f"rank{rank}.pt"))
+    if probe:
+        fixed = trainer.param_estimate.fixed_probe.__self__
+        sequences = sum(len(item.batch["completion_ids"]) for item, _ in fixed.batches())
+        torch.save(dict(prompts=fixed.prompts, sequences=sequences), os.path.join(out_dir, f"probe{rank}.pt"))
     # Tear the gloo group down before the interpreter exits: left to exit-time destructors, a rank has been seen to
     # abort ("terminate called without an active exception") after its work was done.
     trainer.accelerator.wait_for_everyone()
@@ -87,4 +106,4 @@ def main(model_path: str, out_dir: str, accumulation: str, estimate: str, balanc
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:8])
+    main(*sys.argv[1:9])

@@ -78,11 +78,31 @@ def config(**overrides):
             dict(opefo_balance="step", entropy_flow_estimate="param", num_iterations=2, allow_off_policy=True),
             r"opefo_balance='step'.*num_iterations=2.*allow_off_policy does not extend",
         ),
+        # TRL's adaptive bonus starts from entropy_coef=0: refused by its own flag.
+        (
+            dict(opefo_balance="step", entropy_flow_estimate="param", use_adaptive_entropy=True),
+            r"opefo_balance='step'.*use_adaptive_entropy=True",
+        ),
+        # Sequence-level importance sampling moves each token's weight onto its whole sequence: not modelled.
+        (dict(importance_sampling_level="sequence"), r"importance_sampling_level='sequence' is not modelled"),
+        (
+            dict(method="grpo", importance_sampling_level="sequence"),
+            r"importance_sampling_level='sequence' .*entropy_flow_diagnostics=True",
+        ),
+        (dict(method="par", importance_sampling_level="sequence", entropy_flow_diagnostics=False), "'sequence'"),
+        (dict(delta=0.9), r"delta=0.9: TRL's two-sided clip"),
     ],
 )
 def test_bad_settings_fail_at_configuration_time(overrides, match):
     with pytest.raises(ValueError, match=match):
         config(**overrides)
+
+
+def test_options_the_factor_does_not_model_are_accepted_where_it_is_not_used():
+    """Plain GRPO without the diagnostics is TRL's own update: no factor, nothing to mis-model."""
+    args = config(method="grpo", entropy_flow_diagnostics=False, importance_sampling_level="sequence", delta=0.9)
+    assert args.importance_sampling_level == "sequence"
+    assert config(delta=1.5).delta == 1.5  # >= 1: no effect at ratio 1
 
 
 def test_off_policy_opt_in_and_off_policy_baselines():

@@ -14,14 +14,16 @@ from opefo_trl.trainer.batch_state import STATE_KEY
 pytestmark = [pytest.mark.slow, pytest.mark.numerics]
 
 
-def _run_two_ranks(model_path, tmp_path, accumulation, estimate, balance="batch", loss_type="dapo", dtype="float32"):
+def _run_two_ranks(
+    model_path, tmp_path, accumulation, estimate, balance="batch", loss_type="dapo", dtype="float32", probe_prompts=0
+):
     worker = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     with socket.socket() as probe:  # a free port, so that parallel runs do not collide
         probe.bind(("127.0.0.1", 0))
         port = str(probe.getsockname()[1])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port, worker]
-    cmd += [model_path, str(tmp_path), accumulation, estimate, balance, loss_type, dtype]
+    cmd += [model_path, str(tmp_path), accumulation, estimate, balance, loss_type, dtype, str(probe_prompts)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
@@ -145,3 +147,14 @@ def test_param_lambda_of_two_ranks_is_the_single_process_one(
     assert metrics["opefo/lambda_applied"] == pytest.approx(first[0]["opefo/lambda_applied"], abs=1e-7)
     if balance == "step":
         assert metrics["opefo/lambda_applied"] != pytest.approx(metrics["opefo/lambda"], abs=1e-3)
+
+
+def test_the_fixed_probe_is_counted_once_over_two_ranks(tiny_model_path, tmp_path):
+    """Each rank samples its share of the probe's prompts (prompts[rank::2]): together the two ranks hold every probe
+    prompt once, num_generations completions each, so the probe's entropy, summed over ranks, counts each completion
+    once. A copy where every rank sampled the whole probe counts it twice."""
+    _run_two_ranks(tiny_model_path, tmp_path, "1", "param", probe_prompts=5)
+    shares = [torch.load(tmp_path / f"probe{r}.pt", weights_only=False) for r in range(2)]
+    contents = [[prompt[0]["content"] for prompt in share["prompts"]] for share in shares]
+    assert sorted(contents[0] + contents[1]) == sorted(f"Probe {i}: what is {i} * 3?" for i in range(5))
+    assert sum(share["sequences"] for share in shares) == 5 * 4  # num_generations=4 completions per prompt

@@ -3,7 +3,7 @@ logits instead of a scoring pass, and they are the scoring pass's to float32 rou
 
 import pytest
 import torch
-from trainer_setup import logged, make_config, make_trainer, spy
+from trainer_setup import float64_reference, logged, make_config, make_trainer, spy
 from transformers import set_seed
 
 from opefo_trl.trainer.batch_state import ROLLOUT_ROW_KEY
@@ -84,3 +84,30 @@ def test_the_full_estimates_vocabulary_sums_read_from_generation_are_the_scoring
         mask = batch["completion_mask"].bool()
         for ours, theirs in zip(rows.vocab, scored.vocab, strict=True):
             torch.testing.assert_close(ours[mask], theirs[mask], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("estimate", ["opefo", "full"])
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_generation_statistics_at_a_temperature_are_the_float64_softmax_of_the_scaled_logits(
+    tiny_model_path, tiny_dataset, length_reward, tmp_path, temperature, estimate
+):
+    """At the training temperature T != 1 (sampling and scoring both divide the logits by T), log pi_t, H_t and the
+    `full` sums read from generation against an independent float64 scoring (a plain float64 copy of the model, full
+    softmax of logits / T). The float32 forward rounds the logits by ~1e-6 relative (|z| <~ 10 on the tiny model), which
+    moves log pi and H by ~1e-5 at most; the bound is 1e-4. Logits not divided by T are off by ~0.1-1."""
+    args = make_config(tmp_path, temperature=temperature, entropy_flow_estimate=estimate, **ACCUMULATION)
+    trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
+    assert trainer.rollout.generation is not None
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2
+    captured = []
+    spy(trainer.rollout, "weigh", lambda weigh, batches, scores=None: captured.append((batches, scores)))
+    trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    ((batches, scores),) = captured
+    for batch in batches:
+        rows = scores.rows(batch[ROLLOUT_ROW_KEY])
+        mask = batch["completion_mask"].bool()
+        logps, entropies, sum_sq, sum_sq_log = float64_reference(tiny_model_path, batch, temperature)
+        ours = [rows.logps, rows.entropies, *(rows.vocab if estimate == "full" else ())]
+        for value, reference in zip(ours, (logps, entropies, sum_sq, sum_sq_log), strict=False):
+            torch.testing.assert_close(value[mask].double(), reference[mask], rtol=0, atol=1e-4)

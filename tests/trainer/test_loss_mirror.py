@@ -90,3 +90,81 @@ def test_extra_loss_terms_are_normalised_exactly_like_trl_policy_loss(
     value = per_token.get(loss_type, torch.ones_like(logps))
     ours = LossMirror.of(trainer).aggregate(value, inputs)
     assert ours.item() == pytest.approx(trl_loss.item(), rel=1e-5)
+
+
+def _trl_loss_on_a_leaf(trainer, inputs):
+    """TRL's own loss of ``inputs`` computed on a leaf holding the policy's log pi_t (ratio 1), and that leaf."""
+    from trl import GRPOTrainer
+
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        logps, entropies, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, ids, attention, inputs["completion_ids"].size(1), compute_entropy=True
+        )
+    leaf = logps.clone().requires_grad_(True)
+    trainer._get_per_token_logps_and_entropies = lambda *args, **kwargs: (leaf, entropies, None)
+    return GRPOTrainer._compute_loss(trainer, trainer.model, inputs), leaf, entropies
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(),
+        dict(loss_type="grpo", top_entropy_quantile=0.6),
+        dict(loss_type="bnpo", beta=0.1),
+        dict(loss_type="dr_grpo", beta=0.1, use_bias_correction_kl=False),
+        dict(loss_type="cispo", vllm_ratio=True),
+    ],
+    ids=["dapo", "grpo_entropy_mask", "kl", "kl_without_bias_correction", "vllm_ratio"],
+)
+def test_the_first_micro_batch_guard_accepts_every_modelled_update(
+    warm_model_path, tiny_dataset, length_reward, tmp_path, settings
+):
+    """The guard's expected gradient, -W f_t A_t w_t plus the KL term's (with and without TRL's bias correction),
+    against TRL's real loss with weighted advantages (B, T), a reference policy away from the policy and a vLLM ratio:
+    float32 against float64 arithmetic of the same expressions, ~1e-7 relative (GUARD_TOLERANCE is 1e-2). A guard
+    without the KL term, or a mirror without the vLLM ratio, fails here."""
+    settings = dict(settings)
+    vllm_ratio = settings.pop("vllm_ratio", False)
+    args = make_config(tmp_path, gradient_accumulation_steps=2, per_device_train_batch_size=4, **settings)
+    trainer = make_trainer(warm_model_path, tiny_dataset, length_reward, args)
+    inputs = _micro_batch_with_unequal_lengths(trainer)
+    gen = torch.Generator().manual_seed(0)
+    shape = inputs["completion_ids"].shape
+    inputs["advantages"] = torch.randn(shape[0], generator=gen)[:, None] * (0.5 + torch.rand(shape, generator=gen))
+    if vllm_ratio:
+        inputs["importance_sampling_ratio"] = 0.5 + torch.rand(shape, generator=gen)
+        trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    if trainer.beta:
+        inputs["ref_per_token_logps"] = inputs.get("old_per_token_logps", torch.zeros(shape)) - 1
+    loss, leaf, entropies = _trl_loss_on_a_leaf(trainer, inputs)
+    if trainer.beta:
+        inputs["ref_per_token_logps"] = leaf.detach() - 0.3 * torch.rand(shape, generator=gen)
+        loss, leaf, entropies = _trl_loss_on_a_leaf(trainer, inputs)
+    mirror = LossMirror.of(trainer)
+    factor = mirror.factor(inputs, leaf.detach(), entropies, inputs["advantages"])
+    assert mirror.check_against_trl(loss, leaf, inputs, factor) < 1e-5
+
+
+def test_the_first_micro_batch_guard_stops_an_update_the_mirror_does_not_model(
+    warm_model_path, tiny_dataset, length_reward, tmp_path
+):
+    """TRL's sequence-level importance ratio (refused at configuration time, set here on the built trainer) moves each
+    token's weight onto its whole sequence: the guard stops training on the first micro-batch, naming the option."""
+    from opefo_trl.trainer.loss_mirror import LossMirrorMismatch
+
+    args = make_config(tmp_path, gradient_accumulation_steps=2, per_device_train_batch_size=4)
+    trainer = make_trainer(warm_model_path, tiny_dataset, length_reward, args)
+    trainer.importance_sampling_level = trainer.args.importance_sampling_level = "sequence"
+    trainer.micro_batches.loss = trainer.loss_mirror = LossMirror.of(trainer)
+    with pytest.raises(LossMirrorMismatch, match=r"differs from the per-token factor .* importance_sampling_level="):
+        trainer.train()
+
+
+def test_the_guard_finds_the_modelled_update_in_training(tiny_model_path, tiny_dataset, length_reward, tmp_path):
+    """On a real first micro-batch (OPEFO's weights in the advantages) the guard ran once and found TRL's update."""
+    trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path, max_steps=1))
+    trainer.train()
+    assert trainer.micro_batches.mirror_difference is not None and trainer.micro_batches.mirror_difference < 1e-5
+    assert not trainer.micro_batches.check_mirror

@@ -31,10 +31,12 @@ class Gradients(TrainerCallback):
         self.gradients.append([p.grad.detach().clone() for p in self.trainer.access.trainable_parameters()])
 
 
-def _first_step(tiny_model_path, tiny_dataset, length_reward, tmp_path, writes, **overrides):
+def _first_step(tiny_model_path, tiny_dataset, length_reward, tmp_path, writes, prepare=None, **overrides):
     set_seed(0)
     args = make_config(tmp_path, max_steps=1, max_grad_norm=0, optim="adamw_torch", **STEP_BALANCE, **overrides)
     trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
+    if prepare is not None:
+        prepare(trainer)
     assert trainer.rollout.writes_gradient
     trainer.rollout.writes_gradient = writes
     recorded = Gradients(trainer)
@@ -69,6 +71,48 @@ def test_the_written_gradient_is_the_one_trls_own_pass_computes(
     assert logs[True]["entropy"] == pytest.approx(logs[False]["entropy"], rel=1e-5)
     # TRL's training pass (one forward per micro-batch) is not run.
     assert runs[False][1].forwards - runs[True][1].forwards == 2
+
+
+@pytest.mark.slow
+def test_the_written_gradient_carries_the_vllm_importance_ratio(
+    tiny_model_path, tiny_dataset, length_reward, tmp_path, monkeypatch
+):
+    """As above with TRL's vLLM importance-sampling correction: each token's ratio (0.3 to 1.7, drawn per rollout) is
+    part of f_t, so the written g = a + lambda b must carry it as TRL's pass does (same float32 bound). Generation
+    runs without vLLM here: the ratio is put into TRL's rollout batch and TRL's loss applies it (use_vllm is on only
+    inside _compute_loss). A mirror without the ratio writes a gradient off by ~0.3 of its largest entry."""
+    from trl import GRPOTrainer
+
+    generate, compute_loss = GRPOTrainer._generate_and_score_completions, GRPOTrainer._compute_loss
+
+    def generate_with_ratio(self, inputs):
+        output = generate(self, inputs)
+        gen = torch.Generator().manual_seed(1)
+        output["importance_sampling_ratio"] = 0.3 + 1.4 * torch.rand(output["completion_ids"].shape, generator=gen)
+        return output
+
+    def loss_with_correction(self, model, inputs):
+        self.use_vllm = True
+        try:
+            return compute_loss(self, model, inputs)
+        finally:
+            self.use_vllm = False
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", generate_with_ratio)
+    monkeypatch.setattr(GRPOTrainer, "_compute_loss", loss_with_correction)
+
+    def with_correction(trainer):
+        trainer.loss_mirror.importance_sampling_correction = True  # what LossMirror.of reads from a vLLM trainer
+
+    runs = {
+        writes: _first_step(tiny_model_path, tiny_dataset, length_reward, tmp_path, writes, with_correction)
+        for writes in (True, False)
+    }
+    (written,), (trl,) = runs[True][1].gradients, runs[False][1].gradients
+    scale = max(float(g.abs().max()) for g in trl)
+    for ours, theirs in zip(written, trl, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5 * scale)
+    assert runs[True][0].state.log_history[0]["opefo/lambda_applied"] != 0
 
 
 @pytest.mark.parametrize(
@@ -114,7 +158,8 @@ def test_a_method_with_micro_batch_terms_keeps_trls_pass(
     from opefo_trl.methods import OPEFO, TokenTerms
 
     monkeypatch.setattr(OPEFO, "micro_batch_terms", lambda self, batch, logps, context=None: TokenTerms())
-    trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path, **STEP_BALANCE))
+    with pytest.warns(UserWarning, match=r"adds micro-batch terms .* TRL's training pass is run instead"):
+        trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path, **STEP_BALANCE))
     assert trainer.loss_mirror.gradient_is_linear and not trainer.rollout.writes_gradient
 
 

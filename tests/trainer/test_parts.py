@@ -25,3 +25,58 @@ def test_task_tokens_outside_the_vocabulary_are_refused(tiny_model_path, tiny_da
     args = make_config(tmp_path, entropy_flow_task_tokens=[18, 100_000])
     with pytest.raises(ValueError, match=r"entropy_flow_task_tokens \[100000\] are not token ids of this model"):
         make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
+
+
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        (
+            dict(aux_loss_enabled=True, router_aux_loss_coef=1e-3),
+            r"router's auxiliary loss \(router_aux_loss_coef=0.001",
+        ),
+        (dict(_entropy_bonus_enabled=True), r"TRL's entropy bonus"),
+    ],
+    ids=["router_aux_loss", "entropy_bonus"],
+)
+def test_the_step_balance_refuses_what_trls_own_flags_add_to_the_loss(
+    tiny_model_path, tiny_dataset, length_reward, tmp_path, monkeypatch, flags, match
+):
+    """Decided from the flags TRL's _compute_loss reads (a MoE model's router loss, a bonus switched on however),
+    not from one option: TRL's __init__ is made to set them, as it does for a MoE model or the adaptive bonus."""
+    from trl import GRPOTrainer
+
+    trl_init = GRPOTrainer.__init__
+
+    def init_with_flags(self, *args, **kwargs):
+        trl_init(self, *args, **kwargs)
+        for name, value in flags.items():
+            setattr(self, name, value)
+
+    monkeypatch.setattr(GRPOTrainer, "__init__", init_with_flags)
+    args = make_config(tmp_path, entropy_flow_estimate="param", opefo_balance="step")
+    with pytest.raises(ValueError, match=r"opefo_balance='step' .*TRL's training pass would also apply .*" + match):
+        make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
+    args = make_config(tmp_path, entropy_flow_estimate="param", opefo_balance="batch")
+    assert not make_trainer(tiny_model_path, tiny_dataset, length_reward, args).rollout.writes_gradient
+
+
+def test_sequence_level_importance_sampling_with_opefo_trainer(tiny_model_path, tiny_dataset, length_reward, tmp_path):
+    """TRL's test_train_sequence_importance_sampling setting on its own (num_iterations=1): refused by name with the
+    default method; plain GRPO without the diagnostics (no factor used) trains as TRL's own trainer does."""
+    import torch
+    from trl import GRPOConfig
+
+    from opefo_trl import OPEFOTrainer
+
+    trl_args = dict(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, num_generations=4,
+                    max_completion_length=8, max_steps=1, learning_rate=0.1, use_cpu=True, bf16=False,
+                    report_to="none", importance_sampling_level="sequence")  # fmt: skip
+    with pytest.raises(ValueError, match=r"importance_sampling_level='sequence' is not modelled by OPEFOTrainer"):
+        OPEFOTrainer(tiny_model_path, length_reward, GRPOConfig(**trl_args), train_dataset=tiny_dataset)
+    args = GRPOConfig(**trl_args)
+    args.method, args.entropy_flow_diagnostics = "grpo", False
+    trainer = OPEFOTrainer(tiny_model_path, length_reward, args, train_dataset=tiny_dataset)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.state.log_history[-1]["train_loss"] is not None
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())

@@ -41,3 +41,36 @@ def spy(owner, name, record):
     """Replace ``owner.name`` (a part's method) by ``record(original, *args)``, which calls the original."""
     original = getattr(owner, name)
     setattr(owner, name, lambda *args, **kwargs: record(original, *args, **kwargs))
+
+
+def float64_reference(model_path, batch, temperature, direction=None, step=0.0):
+    """An independent float64 scoring of a TRL micro-batch's completions: a plain float64 copy of the model loaded
+    from ``model_path`` (no TRL head, hook or patch), logits / ``temperature``, a full float64 softmax. Returns log
+    pi_t, H_t, sum_k pi_k^2 and sum_k pi_k^2 log pi_k, (B, T) each; with ``direction`` ({parameter name: tensor}),
+    those of the parameters moved by ``step * direction``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from opefo_trl.testing import keep_rms_norm_in_model_dtype
+
+    # Qwen2's RMSNorm computes in float32 whatever the model's dtype: kept in float64 here.
+    model = keep_rms_norm_in_model_dtype(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)).eval()
+    if direction is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name in direction:
+                    p.add_(direction[name].to(torch.float64), alpha=step)
+    completion = batch["completion_ids"]
+    length = completion.size(1)
+    ids = torch.cat([batch["prompt_ids"], completion], 1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, -length - 1 : -1]
+    logp = torch.log_softmax(logits / temperature, -1)
+    probs = logp.exp()
+    return (
+        logp.gather(-1, completion[..., None])[..., 0],
+        -(probs * logp).sum(-1),
+        probs.square().sum(-1),
+        (probs.square() * logp).sum(-1),
+    )
