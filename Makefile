@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed is a pure-Python install on CPU: build no CUDA ops.
 export DS_BUILD_OPS := 0
 
-.PHONY: help install test test-fast test-kernels test-vllm install-vllm lint format demo demo-full demo-quick bench bench-eval gpu-wheels clean
+.PHONY: help install test test-fast test-kernels test-vllm install-vllm lint format demo demo-full demo-quick bench bench-vllm bench-eval gpu-wheels clean
 
 help:
 	@echo "make demo   - set up .venv, train GRPO / OPEFO / baselines on a synthetic task (3 seeds), write plots + table"
@@ -27,7 +27,8 @@ help:
 	@echo "make test-kernels - the numerics tests again under other CPU kernels and one thread (CI's second pass)"
 	@echo "make test-vllm - set up .venv-vllm (vLLM's CPU build) and run the tests on the real engine (marked vllm)"
 	@echo "make lint   - ruff lint + format check (make format rewrites) + mypy over the package"
-	@echo "make bench  - step-time and peak-memory ratios vs TRL's GRPOTrainer"
+	@echo "make bench  - step-time and peak-memory ratios vs TRL's GRPOTrainer (then make bench-vllm)"
+	@echo "make bench-vllm - the same for OPEFO vs GRPOTrainer with colocate vLLM generation, in .venv-vllm"
 	@echo "make bench-eval - batched evaluation vs one-prompt-at-a-time generate"
 	@echo "make gpu-wheels - the wheels benchmarks/gpu_check.sh carries to a GPU machine, into .whl/"
 
@@ -54,7 +55,7 @@ test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest -m "not slow" -n 2 $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not vllm" -n 2 $(PYTEST_ARGS)
 
 # Tolerances tuned on one CPU have failed on others: the numerics tests again with other kernels (ATen's default
 # dispatch instead of AVX2/AVX-512, MKL's SSE2 code path) and one thread (another summation order).
@@ -109,8 +110,15 @@ demo-full: install
 demo-quick: install
 	$(PY) -m opefo_trl.demo --quick true --output_dir $(DEMO_OUT)-quick $(DEMO_ARGS)
 
-bench: install
+bench: install install-vllm
 	$(PY) benchmarks/bench_step.py
+	$(MAKE) bench-vllm
+
+# OPEFO (opefo) vs GRPOTrainer with TRL's colocate vLLM generation, in .venv-vllm (head size 32: vLLM's CPU attention
+# refuses the default 16).
+bench-vllm: install-vllm
+	$(VLLM_TEST_ENV) $(VLLM_PY) benchmarks/bench_step.py --configs opefo_vllm --accumulation 1 --num_heads 2 \
+		--steps 4 --repeats 2
 
 bench-eval: install
 	$(PY) benchmarks/bench_eval.py

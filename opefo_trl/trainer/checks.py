@@ -109,7 +109,8 @@ def check_vllm_setup(args, model: Any) -> None:
     if args.vllm_mode == "server" and not on_cuda:
         problems.append(
             "vllm_mode='server' sends the weights to the server over NCCL, which needs a CUDA GPU on the trainer's "
-            f"side ({'use_cpu=True' if args.use_cpu else 'no CUDA GPU found'}); use vllm_mode='colocate', or train on a GPU"
+            f"side ({'use_cpu=True' if args.use_cpu else 'no CUDA GPU found'}); use vllm_mode='colocate', or train on "
+            "a GPU"
         )
     if args.vllm_mode == "colocate":
         problems += _vllm_head_size_problems(model)

@@ -10,8 +10,6 @@ import sys
 
 import pytest
 
-pytest.importorskip("vllm")
-
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))

@@ -266,9 +266,7 @@ def test_args_none_names_the_output_dir_as_grpo_trainer_does(tiny_model_path, le
 def test_vllm_options_that_need_a_gpu_are_refused_before_loading(overrides, message, length_reward, tmp_path):
     """Sleep mode and server mode's weight transfer fail inside vLLM / TRL on a CPU machine; refused up front, before
     the model (here one that does not exist) is looked at."""
-    args = OPEFOConfig(
-        output_dir=str(tmp_path / "out"), use_vllm=True, use_cpu=True, report_to="none", **overrides
-    )
+    args = OPEFOConfig(output_dir=str(tmp_path / "out"), use_vllm=True, use_cpu=True, report_to="none", **overrides)
     with pytest.raises(ValueError, match=message):
         OPEFOTrainer("no-such-org/no-such-model", length_reward, args=args)
     assert os.listdir(tmp_path) == []

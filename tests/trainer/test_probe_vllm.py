@@ -9,8 +9,6 @@ from trainer_setup import make_trainer
 from opefo_trl import OPEFOConfig
 from opefo_trl.trainer.parts import fixed_probe
 
-pytest.importorskip("vllm")
-
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 

@@ -14,8 +14,6 @@ from trainer_setup import base_settings, logged, make_trainer, spy
 from opefo_trl import OPEFOConfig
 from opefo_trl.maths.entropy_flow import flow_per_unit_advantage, flow_stats
 
-pytest.importorskip("vllm")
-
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
@@ -25,24 +23,38 @@ def vllm_settings(tmp_path, **overrides):
     )
 
 
-def expected_lambdas(trainer, record):
-    """Spy for ``trainer.rollout.weigh``: lambda* of each rollout from the trainer's own scoring pass
-    (``Scorer.score``) of its micro-batches, before the rollout's weights are applied."""
+def lambda_from_scoring(trainer, batches) -> float:
+    """lambda* of a rollout's micro-batches from the trainer's own scoring pass (``Scorer.score``) at the current
+    parameters."""
+    totals = None
+    estimate = trainer.args.entropy_flow_estimate
+    for batch in batches:
+        scores = trainer.scorer.score(batch, vocab=estimate == "full")
+        advantages = batch["advantages"].float()
+        factor = trainer.loss_mirror.factor(batch, scores.logps, scores.entropies, advantages)
+        unit = flow_per_unit_advantage(scores.logps, scores.entropies, estimate, *scores.vocab)
+        stats = flow_stats(advantages.unsqueeze(1) * unit, factor)
+        totals = stats if totals is None else totals + stats
+    return float(totals.lambda_star)
+
+
+def record_expected_lambdas(trainer, record):
+    """Append to ``record`` each rollout's lambda* from the trainer's own scoring: before OPEFO weighs the rollout
+    (``rollout.weigh``), or, for a baseline with diagnostics, at its one micro-batch's loss (``compute_loss``)."""
 
     def weigh(original, batches, captured=None):
-        totals = None
-        full = trainer.rollout.estimate == "full"
-        for batch in batches:
-            scores = trainer.rollout.scorer.score(batch, vocab=full)
-            advantages = batch["advantages"].float()
-            factor = trainer.loss_mirror.factor(batch, scores.logps, scores.entropies, advantages)
-            unit = flow_per_unit_advantage(scores.logps, scores.entropies, trainer.rollout.estimate, *scores.vocab)
-            stats = flow_stats(advantages.unsqueeze(1) * unit, factor)
-            totals = stats if totals is None else totals + stats
-        record.append(float(totals.lambda_star))
+        record.append(lambda_from_scoring(trainer, batches))
         return original(batches, captured)
 
-    return weigh
+    def compute_loss(original, model, inputs, *args, **kwargs):
+        record.append(lambda_from_scoring(trainer, [inputs]))
+        return original(model, inputs, *args, **kwargs)
+
+    if trainer.rollout is not None:
+        spy(trainer.rollout, "weigh", weigh)
+    else:
+        assert trainer.args.gradient_accumulation_steps == 1  # one micro-batch per rollout
+        spy(trainer, "compute_loss", compute_loss)
 
 
 def release(trainer):
@@ -92,7 +104,7 @@ def test_colocate_lambda_is_the_trainers_own_scoring(
     trainer = make_trainer(vllm_model_path, tiny_dataset, length_reward, args)
     try:
         expected: list[float] = []
-        spy(trainer.rollout, "weigh", expected_lambdas(trainer, expected))
+        record_expected_lambdas(trainer, expected)
         trainer.train()
         lambdas = logged(trainer, "entropy_flow/lambda")
         assert len(expected) == len(lambdas) == 2
