@@ -17,18 +17,29 @@ def greedy(model, bench, out, eval_config, backend):
 
 
 @pytest.fixture(scope="module")
-def transformers_run(vllm_model_path, bench_file, tmp_path_factory, eval_config, read_samples):
+def warm_vllm_model(vllm_model_path, tmp_path_factory):
+    """The head-size-32 tiny model after a few supervised steps: peaked, so greedy completions are answers ("1 1 3")
+    rather than one repeated newline (a comparison that could hardly tell backends apart)."""
+    from opefo_trl.testing import warm_up_tiny_model
+
+    return warm_up_tiny_model(vllm_model_path, tmp_path_factory.mktemp("warm-vllm") / "model")
+
+
+@pytest.fixture(scope="module")
+def transformers_run(warm_vllm_model, bench_file, tmp_path_factory, eval_config, read_samples):
     out = tmp_path_factory.mktemp("transformers")
-    results = evaluate(greedy(vllm_model_path, bench_file, out, eval_config, "transformers"))
-    return results, read_samples(out)[0]
+    results = evaluate(greedy(warm_vllm_model, bench_file, out, eval_config, "transformers"))
+    samples = read_samples(out)[0]
+    assert all(len(set(completion)) > 1 for completion in samples.values())  # not one repeated character
+    return results, samples
 
 
 def test_vllm_backend_matches_transformers_greedy(
-    transformers_run, vllm_model_path, bench_file, tmp_path, eval_config, read_samples
+    transformers_run, warm_vllm_model, bench_file, tmp_path, eval_config, read_samples
 ):
     """Greedy decoding in float32: the same completions, hence the same answers, pass@k and avg@k."""
     results, samples = transformers_run
-    served = evaluate(greedy(vllm_model_path, bench_file, tmp_path, eval_config, "vllm"))
+    served = evaluate(greedy(warm_vllm_model, bench_file, tmp_path, eval_config, "vllm"))
     assert read_samples(tmp_path)[0] == samples
     expected, got = results["benchmarks"]["arith"], served["benchmarks"]["arith"]
     assert got["metrics"] == expected["metrics"]
@@ -36,7 +47,7 @@ def test_vllm_backend_matches_transformers_greedy(
 
 
 def test_vllm_evaluation_resumes_drawing_nothing_twice(
-    transformers_run, vllm_model_path, bench_file, tmp_path, eval_config, read_samples, monkeypatch
+    transformers_run, warm_vllm_model, bench_file, tmp_path, eval_config, read_samples, monkeypatch
 ):
     """Killed after its first call (one problem's samples stored), a rerun draws only the other problems' samples."""
     run = VLLMBackend.run
@@ -49,7 +60,7 @@ def test_vllm_evaluation_resumes_drawing_nothing_twice(
             raise KeyboardInterrupt  # as if the process were killed after the first call's samples were written
 
     monkeypatch.setattr(VLLMBackend, "run", interrupted)
-    config = greedy(vllm_model_path, bench_file, tmp_path, eval_config, "vllm")
+    config = greedy(warm_vllm_model, bench_file, tmp_path, eval_config, "vllm")
     with pytest.raises(KeyboardInterrupt):
         evaluate(config)
     assert sorted(read_samples(tmp_path)[0]) == [("arith", 0, 0), ("arith", 0, 1)]
