@@ -263,13 +263,12 @@ def validate_args(script_args, training_args, model_args) -> None:
     from opefo_trl.data.loading import local_file_builder, resolve_dataset_source
     from opefo_trl.data.model_files import check_model_name_or_path
     from opefo_trl.data.prompts import get_template
-    from opefo_trl.trainer.checks import check_training_values, check_vllm_setup, non_finite_options
+    from opefo_trl.trainer.checks import check_training_values, non_finite_options
 
     if not model_args.model_name_or_path:
         raise ValueError("model_name_or_path is not set: give a hub id or a local model directory.")
     check_model_name_or_path(model_args.model_name_or_path)
     check_training_values(training_args)
-    check_vllm_setup(training_args, model_args.model_name_or_path)
     # The training options are checked with the trainer's own; the model and script options (e.g. lora_dropout) here.
     non_finite = non_finite_options(model_args) + non_finite_options(script_args)
     if non_finite:

@@ -221,24 +221,8 @@ def test_prompt_longer_than_context_fails_before_model_loading(
     # An explicit context length is honoured the same way, and so is vLLM's max_model_length.
     assert main(argv + ["--context_length", "30"]) == 2
     assert "context of 30 tokens" in capsys.readouterr().err
-    vllm = ["--use_vllm", "true", "--vllm_enable_sleep_mode", "false", "--vllm_max_model_length", "40"]
-    assert main(argv + [*vllm, "--max_completion_length", "20"]) == 2
+    assert main(argv + ["--use_vllm", "true", "--vllm_max_model_length", "40", "--max_completion_length", "20"]) == 2
     assert "context of 40 tokens" in capsys.readouterr().err
-
-
-def test_vllm_options_this_machine_cannot_run_fail_before_model_loading(
-    tiny_model_path, problems_file, tmp_path, no_model_loading, capsys
-):
-    """The recipes' sleep mode, and server mode, need a CUDA GPU: on a CPU they are refused with the fix."""
-    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "out"), use_vllm=True)]
-    assert main(argv) == 2
-    message = capsys.readouterr().err
-    assert "vllm_enable_sleep_mode=True needs a CUDA GPU" in message
-    assert "set vllm_enable_sleep_mode=False (--vllm_enable_sleep_mode false)" in message
-    assert main(argv + ["--vllm_mode", "server"]) == 2
-    assert "vllm_mode='server' sends the weights to the server over NCCL, which needs a CUDA GPU" in (
-        capsys.readouterr().err
-    )
 
 
 @pytest.mark.parametrize(
