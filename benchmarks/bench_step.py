@@ -45,11 +45,17 @@ from opefo_trl.testing import build_tiny_model  # noqa: E402
 
 
 class Configuration(NamedTuple):
-    """A benchmarked setup: the trainer class, its config fields, and a LoRA rank (None: full fine-tuning)."""
+    """A benchmarked setup: the trainer class, its config fields, a LoRA rank (None: full fine-tuning), and the
+    configuration its ratios are taken against."""
 
     trainer: type
     fields: dict
     lora_rank: int | None = None
+    baseline: str = "grpo_strict"
+
+
+#: TRL's colocate vLLM generation (each process its own engine, weights synced before every rollout).
+VLLM_COLOCATE = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3)
 
 
 #: name -> configuration; the first is the baseline every ratio is taken against.
@@ -80,8 +86,18 @@ CONFIGURATIONS = {
     "clip_cov": Configuration(OPEFOTrainer, dict(method="clip_cov")),
     "kl_cov": Configuration(OPEFOTrainer, dict(method="kl_cov")),
     "par": Configuration(OPEFOTrainer, dict(method="par")),
+    "grpo_strict_vllm": Configuration(GRPOTrainer, VLLM_COLOCATE, baseline="grpo_strict_vllm"),
+    "opefo_vllm": Configuration(OPEFOTrainer, dict(method="opefo", **VLLM_COLOCATE), baseline="grpo_strict_vllm"),
 }
-BASELINE = "grpo_strict"
+#: The configurations that need vLLM (run by default only where it is installed).
+VLLM_CONFIGURATIONS = [name for name, c in CONFIGURATIONS.items() if c.fields.get("use_vllm")]
+
+
+def default_configurations() -> list[str]:
+    import importlib.util
+
+    vllm = importlib.util.find_spec("vllm") is not None
+    return [name for name in CONFIGURATIONS if vllm or name not in VLLM_CONFIGURATIONS]
 
 
 @dataclass
@@ -103,8 +119,11 @@ class BenchSettings:
         default_factory=lambda: [1, 2], metadata={"help": "gradient_accumulation_steps values to measure."}
     )
     configs: list[str] = field(
-        default_factory=lambda: list(CONFIGURATIONS),
-        metadata={"help": f"Configurations to run, among {list(CONFIGURATIONS)} ({BASELINE} always runs)."},
+        default_factory=default_configurations,
+        metadata={
+            "help": f"Configurations to run, among {list(CONFIGURATIONS)}; each one's baseline always runs (the "
+            f"vLLM ones, {VLLM_CONFIGURATIONS}, by default only where vLLM is installed)."
+        },
     )
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Train with gradient checkpointing."})
     discard_first_run: bool = field(
@@ -119,8 +138,8 @@ class BenchSettings:
         unknown = [c for c in self.configs if c not in CONFIGURATIONS]
         if unknown:
             raise ValueError(f"Unknown configuration(s) {unknown}; choose among {list(CONFIGURATIONS)}.")
-        if BASELINE not in self.configs:
-            self.configs = [BASELINE, *self.configs]
+        baselines = [CONFIGURATIONS[c].baseline for c in self.configs]
+        self.configs = list(dict.fromkeys([*baselines, *self.configs]))  # each baseline before what it is compared to
         for name in ("steps", "repeats", "completions", "completion_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
@@ -203,6 +222,7 @@ def training_settings(settings: BenchSettings, accumulation: int, output_dir: st
     cuda = torch.cuda.is_available()
     return dict(
         output_dir=output_dir,
+        vllm_max_model_length=settings.completion_length + 64,  # the model's context (build_model)
         per_device_train_batch_size=settings.completions // accumulation,
         gradient_accumulation_steps=accumulation,
         num_generations=settings.num_generations,
@@ -224,6 +244,8 @@ def training_settings(settings: BenchSettings, accumulation: int, output_dir: st
 def run(model_path, dataset, name, settings: BenchSettings, accumulation: int, output_dir: str) -> dict:
     """Train one configuration; return its median step time, time without sampling, peak memory and passes."""
     configuration = CONFIGURATIONS[name]
+    if configuration.fields.get("use_vllm"):
+        _keep_vllm_cpu_weights()
     config_class = OPEFOConfig if configuration.trainer is OPEFOTrainer else GRPOConfig
     peft_config = None
     if configuration.lora_rank is not None:
@@ -285,6 +307,18 @@ def run(model_path, dataset, name, settings: BenchSettings, accumulation: int, o
     )
 
 
+def _keep_vllm_cpu_weights() -> None:
+    """On vLLM's CPU build, the test tier's workaround for TRL's colocate weight sync (tests/vllm_cpu_gemm.py: the
+    CPU backend prepacks and drops the linear weights TRL loads into); GPU builds need none."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+        import vllm_cpu_gemm
+
+        vllm_cpu_gemm.install()
+
+
 def compare(model_path, dataset, settings: BenchSettings, work: str, deadline=None, on_run=None) -> dict:
     """Every configuration at every accumulation, interleaved; medians and ratios to the baseline.
 
@@ -303,7 +337,7 @@ def compare(model_path, dataset, settings: BenchSettings, work: str, deadline=No
             # One discarded run first: lazy initialisation and first-touch allocations would otherwise land on the
             # baseline.
             start = time.time()
-            run(model_path, dataset, BASELINE, settings, accumulation, os.path.join(work, "out"))
+            run(model_path, dataset, settings.configs[0], settings, accumulation, os.path.join(work, "out"))
             last_duration = time.time() - start
         for _ in range(settings.repeats):
             for name in settings.configs:
@@ -323,10 +357,10 @@ def compare(model_path, dataset, settings: BenchSettings, work: str, deadline=No
 def _medians(runs: dict) -> dict:
     """Median of each figure over a configuration's runs, and its ratio to the baseline's (when both ran)."""
     medians = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items() if rs}
-    base = medians.get(BASELINE)
-    for m in medians.values():
+    for name, m in medians.items():
+        base = medians.get(CONFIGURATIONS[name].baseline)
         if base is None:
-            break
+            continue
         m["time_ratio"] = m["seconds_per_step"] / base["seconds_per_step"]
         m["time_ratio_without_sampling"] = m["seconds_without_sampling"] / base["seconds_without_sampling"]
         m["memory_ratio"] = m["peak_bytes"] / max(base["peak_bytes"], 1)

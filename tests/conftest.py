@@ -265,3 +265,22 @@ def no_model_loading(monkeypatch):
     from opefo_trl.eval import TransformersBackend
 
     monkeypatch.setattr(TransformersBackend, "load", refuse)
+
+
+@pytest.fixture(scope="session")
+def vllm_model_path(tmp_path_factory):
+    """A tiny Qwen2 vLLM's CPU attention accepts (head size 32; it refuses the 16 of ``tiny_model_path``)."""
+    from opefo_trl.testing import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-vllm") / "model", hidden_size=128, num_heads=4)
+
+
+@pytest.fixture(scope="session")
+def vllm_cpu_gemm():
+    """vLLM's CPU build computing with each layer's own weight, so that TRL's colocate weight sync works (the tier's
+    one workaround; why in ``tests/vllm_cpu_gemm.py``); the script's path, for subprocesses."""
+    pytest.importorskip("vllm")
+    import vllm_cpu_gemm as patch
+
+    patch.install()
+    return patch.__file__

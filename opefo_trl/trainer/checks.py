@@ -3,6 +3,8 @@
 - :func:`check_training_values`: settings that fail only at the first optimizer step or generation (a negative
   learning rate, no completion tokens, temperature 0, any number option that is inf or nan), refused when the
   trainer is built, before the model loads.
+- :func:`check_vllm_setup`: vLLM options the machine at hand cannot run (sleep mode or server mode's weight transfer
+  without a CUDA GPU, an attention head size vLLM's CPU backend refuses), refused before the model loads.
 - :class:`RewardCheck`: what reward functions return, checked on every call. A function that raises, returns
   something other than one number (or None) per completion, or a reward that is inf or NaN stops training with an
   error that names the function and the first bad value, on every process at once (a reward computed on one process
@@ -84,6 +86,68 @@ def check_training_values(args) -> None:
         )
     if problems:
         raise ValueError("; ".join(problems) + ".")
+
+
+def check_vllm_setup(args, model: Any) -> None:
+    """Refuse vLLM options that cannot work on this machine, before anything loads (``model``: a path, a hub id or a
+    loaded model, for its config).
+
+    Sleep mode and server mode's weight transfer (TRL's ``VLLMClient.init_communicator``, NCCL) need a CUDA GPU;
+    vLLM's CPU backend (its CPU build, the only one that runs without a GPU) accepts only some attention head sizes.
+    """
+    if not getattr(args, "use_vllm", False):
+        return
+    import torch
+
+    on_cuda = torch.cuda.is_available() and not args.use_cpu
+    problems = []
+    if args.vllm_mode == "colocate" and args.vllm_enable_sleep_mode and not on_cuda:
+        problems.append(
+            "vllm_enable_sleep_mode=True needs a CUDA GPU (vLLM's CPU platform has no sleep mode: 'Sleep mode is not "
+            "supported on current platform'); set vllm_enable_sleep_mode=False (--vllm_enable_sleep_mode false)"
+        )
+    if args.vllm_mode == "server" and not on_cuda:
+        problems.append(
+            "vllm_mode='server' sends the weights to the server over NCCL, which needs a CUDA GPU on the trainer's "
+            f"side ({'use_cpu=True' if args.use_cpu else 'no CUDA GPU found'}); use vllm_mode='colocate', or train on "
+            "a GPU"
+        )
+    if args.vllm_mode == "colocate":
+        problems += _vllm_head_size_problems(model)
+    if problems:
+        raise ValueError("; ".join(problems) + ".")
+
+
+def _vllm_head_size_problems(model: Any) -> list[str]:
+    """The model's attention head size, if vLLM runs on its CPU platform here and its attention refuses that size."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return []  # TRL refuses use_vllm without vLLM
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return []
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    if isinstance(model, str):
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(model)
+        except OSError:
+            return []  # not readable here: loading reports it
+    else:
+        config = model.config
+    config = config.get_text_config()
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_size in supported:
+        return []
+    return [
+        f"the model's attention head size is {head_size}, which vLLM's CPU attention does not support (it supports "
+        f"{supported}); use a model with one of those head sizes, or use_vllm=False"
+    ]
 
 
 class RewardFunctionError(ValueError):

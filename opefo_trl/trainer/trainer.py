@@ -46,7 +46,7 @@ from trl.trainer.utils import get_config_model_id  # noqa: E402
 from opefo_trl.methods import TokenMethod, get_token_method_class  # noqa: E402
 from opefo_trl.runs import load_method_state, resume_checkpoint, saving_checkpoint  # noqa: E402
 from opefo_trl.trainer import model_setup  # noqa: E402
-from opefo_trl.trainer.checks import check_training_values  # noqa: E402
+from opefo_trl.trainer.checks import check_training_values, check_vllm_setup  # noqa: E402
 from opefo_trl.trainer.config import OPEFOConfig, with_opefo_settings  # noqa: E402
 from opefo_trl.trainer.parts import TrainerAccess, build_parts  # noqa: E402
 from opefo_trl.trainer.probe import check_probe_dataset  # noqa: E402
@@ -89,6 +89,7 @@ class OPEFOTrainer(GRPOTrainer):
             args = OPEFOConfig(output_dir=f"{name.split('/')[-1]}-GRPO")
         args = with_opefo_settings(args)
         check_training_values(args)
+        check_vllm_setup(args, model)
         self.token_method: TokenMethod = get_token_method_class(args.method).from_config(args)
         probe_prompts = check_probe_dataset(probe_dataset, args, self.token_method.needs_rollout_pass)
         model_setup.keep_float64_head(model, args)

@@ -247,3 +247,26 @@ def test_args_none_names_the_output_dir_as_grpo_trainer_does(tiny_model_path, le
             trainer_class(tiny_model_path, length_reward)
         names.append(str(named.value))
     assert names == ["model-GRPO", "model-GRPO"]  # the tiny model's folder is called `model`
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"vllm_enable_sleep_mode": True},
+            r"vllm_enable_sleep_mode=True needs a CUDA GPU .* set vllm_enable_sleep_mode=False",
+        ),
+        (
+            {"vllm_mode": "server"},
+            r"vllm_mode='server' sends the weights to the server over NCCL, which needs a CUDA GPU on the trainer's "
+            r"side \(use_cpu=True\); use vllm_mode='colocate', or train on a GPU",
+        ),
+    ],
+)
+def test_vllm_options_that_need_a_gpu_are_refused_before_loading(overrides, message, length_reward, tmp_path):
+    """Sleep mode and server mode's weight transfer fail inside vLLM / TRL on a CPU machine; refused up front, before
+    the model (here one that does not exist) is looked at."""
+    args = OPEFOConfig(output_dir=str(tmp_path / "out"), use_vllm=True, use_cpu=True, report_to="none", **overrides)
+    with pytest.raises(ValueError, match=message):
+        OPEFOTrainer("no-such-org/no-such-model", length_reward, args=args)
+    assert os.listdir(tmp_path) == []
