@@ -513,7 +513,7 @@ def prepare_inputs(script_args, training_args, model_args) -> tuple:
 
 def _declared_names(script_args, training_args) -> list[str]:
     """What this run writes into output_dir besides its checkpoints and final model, named in its manifest before
-    it exists: the metrics files, and TensorBoard's default `runs/` folder."""
+    it exists: the metrics files, TensorBoard's default `runs/` folder, TRL's `completions/` and the model card."""
     from opefo_trl.runs import METRICS_FILE, METRICS_FILE_PER_RANK
 
     names = []
@@ -524,6 +524,10 @@ def _declared_names(script_args, training_args) -> list[str]:
     report_to = training_args.report_to or []
     if ("tensorboard" in report_to or "all" in report_to) and not os.environ.get("TENSORBOARD_LOGGING_DIR"):
         names.append("runs")
+    if training_args.log_completions:
+        names.append("completions")
+    if training_args.push_to_hub:
+        names.append("README.md")
     return names
 
 

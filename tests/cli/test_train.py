@@ -1084,3 +1084,68 @@ def test_a_probe_without_effect_or_data_is_refused_before_loading(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("opefo-train: error: ") and message in err and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Issue 32: nothing deleted that the run did not write, no resume that silently changes the run, one line per mistake
+# ----------------------------------------------------------------------------------------------------------------------
+
+NEIGHBOUR_MODULE = '''
+import json, os
+
+
+def writes_beside_the_run(completions, **kwargs):
+    """While the run trains, files appear in its output_dir that it did not write: an opefo-eval store, a user's
+    notes, a folder."""
+    out = os.environ["OPEFO_RUN_DIR"]
+    if not os.path.exists(os.path.join(out, "eval_ck1")):
+        os.makedirs(os.path.join(out, "eval_ck1"))
+        with open(os.path.join(out, "eval_ck1", "samples.jsonl"), "w") as f:
+            f.write(json.dumps({"sample": 1}) + "\\n")
+        with open(os.path.join(out, "eval_ck1", "run_config.json"), "w") as f:
+            json.dump({"temperature": 1.0}, f)
+        with open(os.path.join(out, "notes.txt"), "w") as f:
+            f.write("mine")
+        os.makedirs(os.path.join(out, "my_folder"))
+        with open(os.path.join(out, "my_folder", "data.txt"), "w") as f:
+            f.write("mine too")
+    return [float(len(c[-1]["content"]) % 3) for c in completions]
+'''
+
+
+def test_files_that_appear_beside_a_run_are_not_its_own_and_an_overwrite_keeps_them(
+    tiny_model_path, problems_file, tmp_path, monkeypatch, capsys, snapshot
+):
+    """D1: the manifest lists what the run wrote, never what appeared in its folder while it ran; an overwrite is
+    refused while the user's files are there (naming them), and once they are moved out deletes the run's files only:
+    the opefo-eval store written meanwhile is kept."""
+    (tmp_path / "opefo_cli_neighbour_rewards.py").write_text(NEIGHBOUR_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "out"
+    monkeypatch.setenv("OPEFO_RUN_DIR", str(out))
+    argv = [
+        "--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(out), max_steps=2, save_steps=1),
+        "--reward_funcs", "opefo_cli_neighbour_rewards.writes_beside_the_run",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    __import__("sys").modules.pop("opefo_cli_neighbour_rewards", None)
+    listed = json.loads((out / MANIFEST_NAME).read_text())["entries"]
+    assert {"checkpoint-1", "checkpoint-2", "metrics.jsonl", "model.safetensors"} <= set(listed)
+    assert not {"notes.txt", "my_folder", "eval_ck1"} & set(listed)
+    kept = {k: v for k, v in snapshot(out).items() if k.startswith(("notes.txt", "my_folder", "eval_ck1"))}
+    assert len(kept) == 4
+
+    overwrite = [*argv, "--overwrite_output_dir", "true"]
+    before = snapshot(tmp_path)
+    assert main(overwrite) == 2
+    err = capsys.readouterr().err
+    assert f"output_dir '{out}' holds files that no run of opefo-train wrote" in err
+    assert "my_folder, notes.txt" in err and snapshot(tmp_path) == before
+    shutil.move(out / "notes.txt", tmp_path / "notes.txt")
+    shutil.move(out / "my_folder", tmp_path / "my_folder")
+    assert main([*overwrite, "--max_steps", "1"]) == 0
+    after = snapshot(out)
+    assert {k: v for k, v in after.items() if k.startswith("eval_ck1")} == {
+        k: v for k, v in kept.items() if k.startswith("eval_ck1")
+    }
+    assert not (out / "checkpoint-2").exists() and (out / "checkpoint-1").exists()
