@@ -4,7 +4,8 @@
   learning rate, no completion tokens, temperature 0, any number option that is inf or nan), refused when the
   trainer is built, before the model loads.
 - :class:`RewardCheck`: what reward functions return, checked on every call. A function that raises, returns
-  something other than one number (or None) per completion, or a reward that is inf or NaN stops training with an
+  something other than one number (or None) per completion, or a reward that is inf, NaN or too large for TRL's
+  float32 group statistics (:func:`largest_reward`) stops training with an
   error that names the function and the first bad value, on every process at once (a reward computed on one process
   only would leave the others waiting in the gather that follows).
 
@@ -125,14 +126,45 @@ def reward_problem(name: str, rewards: Any, expected: int) -> str | None:
             f"{expected} ({len(bad)} such value(s) in this batch); rewards must be numbers (int or float), or None "
             "to leave a completion out. Convert them in the function, e.g. `float(score)`."
         )
-    non_finite = [i for i, v in enumerate(values) if v is not None and not math.isfinite(float(v))]
+    non_finite = [i for i, v in enumerate(values) if v is not None and not _fits_float(v)]
     if non_finite:
         return (
-            f"Reward function {name!r} returned {float(values[non_finite[0]])} for {len(non_finite)} of {expected} "
+            f"Reward function {name!r} returned {_shown(values[non_finite[0]])} for {len(non_finite)} of {expected} "
             f"completions (first: completion {non_finite[0]}); a non-finite reward (inf or NaN) makes its group's "
             "advantages NaN, then 0, and trains nothing. Return a finite number, or None to leave a completion out."
         )
+    limit = largest_reward(expected)
+    too_large = [i for i, v in enumerate(values) if v is not None and abs(float(v)) > limit]
+    if too_large:
+        return (
+            f"Reward function {name!r} returned {_shown(values[too_large[0]])} for {len(too_large)} of {expected} "
+            f"completions (first: completion {too_large[0]}); TRL holds rewards in float32 and sums them for each "
+            f"group's mean and standard deviation, which overflow to inf above |reward| = {limit:.3g} (then every "
+            "advantage is 0 and nothing trains). Scale the rewards down, e.g. into [0, 1]."
+        )
     return None
+
+
+def largest_reward(num_completions: int) -> float:
+    """The largest |reward| whose sums over ``num_completions`` completions, and deviations from their mean (up to
+    twice it), stay below float32's largest number: TRL's group means and standard deviations are then finite."""
+    import torch
+
+    return torch.finfo(torch.float32).max / (2 * max(num_completions, 1))
+
+
+def _fits_float(value: Any) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an int beyond float's range (10**400)
+        return False
+
+
+def _shown(value: Any) -> str:
+    try:
+        return repr(float(value))
+    except OverflowError:
+        return f"an integer of {len(str(abs(int(value))))} digits"
 
 
 def _where(err: BaseException) -> str:
@@ -175,7 +207,7 @@ class RewardCheck:
         finally:
             trainer.reward_funcs = funcs
 
-    def _result(self, name: str, rewards: Any, raised: Exception | None) -> Any:
+    def _result(self, name: str, rewards: Any, raised: BaseException | None) -> Any:
         """The rewards if they are fine; else zeros, keeping the first failure."""
         failure: RewardFunctionError | None
         if raised is not None:
@@ -203,7 +235,7 @@ class RewardCheck:
                     return [0.0] * self.num_completions
                 try:
                     rewards = await func(*args, **kwargs)
-                except Exception as err:  # user code: any exception, reported with where it was raised
+                except (Exception, SystemExit) as err:  # user code: reported with where it was raised
                     return self._result(name, None, err)
                 return self._result(name, rewards, None)
 
@@ -214,7 +246,7 @@ class RewardCheck:
                 return [0.0] * self.num_completions
             try:
                 rewards = func(*args, **kwargs)
-            except Exception as err:  # user code: any exception, reported with where it was raised
+            except (Exception, SystemExit) as err:  # user code, sys.exit() included: named, not a bare exit
                 return self._result(name, None, err)
             return self._result(name, rewards, None)
 

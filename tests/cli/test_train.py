@@ -485,6 +485,20 @@ def nan_reward(completions, **kwargs):
 
 def dict_reward(completions, **kwargs):
     return {"accuracy": 1.0, "format": 0.0}
+
+
+def huge_reward(completions, **kwargs):
+    return [1e300 if i % 2 else 0.0 for i in range(len(completions))]
+
+
+def overflowing_reward(completions, **kwargs):
+    return [10**400 if i % 2 else 0 for i in range(len(completions))]
+
+
+def exiting_reward(completions, **kwargs):
+    import sys
+
+    sys.exit(3)
 """
 
 
@@ -687,6 +701,11 @@ def test_a_reward_returning_strings_stops_at_its_first_call_without_a_traceback(
         # half NaN: would train at loss 0, grad-norm 0
         ("nan_reward", "returned nan for 4 of 8 completions (first: completion 1); a non-finite reward"),
         ("dict_reward", "returned {'accuracy': 1.0, 'format': 0.0} (a dict); it must return a list"),
+        # D12: reward_std inf (loss 0, nothing trained, exit 0), and an OverflowError traceback
+        ("huge_reward", "returned 1e+300 for 4 of 8 completions (first: completion 1); TRL holds rewards in float32"),
+        ("overflowing_reward", "returned an integer of 401 digits for 4 of 8 completions (first: completion 1)"),
+        # D14: exit 3 with no message
+        ("exiting_reward", "raised SystemExit: 3 at "),
     ],
 )
 def test_a_reward_returning_nan_or_a_dict_stops_at_its_first_call(

@@ -57,6 +57,36 @@ def test_bad_reward_outputs_are_described_with_the_first_bad_value(rewards, mess
     assert message in reward_problem("my_reward", rewards, 3)
 
 
+@pytest.mark.parametrize(
+    "rewards, message",
+    [
+        ([1.0, 1e300, 0.0], "returned 1e+300 for 1 of 3 completions (first: completion 1); TRL holds rewards in"),
+        ([1.0, 10**400, 0.0], "returned an integer of 401 digits for 1 of 3 completions (first: completion 1); a non-"),
+    ],
+)
+def test_rewards_too_large_for_the_standard_deviation_are_refused(rewards, message):
+    assert message in reward_problem("my_reward", rewards, 3)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("group", [2, 8, 64])
+def test_the_largest_reward_keeps_trls_group_statistics_finite(group):
+    """At the bound, a group of rewards has a finite float32 mean and standard deviation as TRL computes them, equal
+    to the float64 ones to float32's precision (error estimate: ``group`` additions, each rounded with relative error
+    <= 2**-24, so <= group * 2**-24 relative); four times the bound overflows the group's mean to inf."""
+    from opefo_trl.trainer.checks import largest_reward
+
+    bound = largest_reward(group)
+    assert reward_problem("r", [bound] * group, group) is None
+    assert "overflow to inf" in reward_problem("r", [bound * 1.01] * group, group)
+    for values in ([bound] * group, [bound * (i % 2) for i in range(group)], [(-1) ** i * bound for i in range(group)]):
+        rewards32, rewards64 = torch.tensor(values, dtype=torch.float32), torch.tensor(values, dtype=torch.float64)
+        for statistic in (torch.mean, torch.std):
+            value32, value64 = float(statistic(rewards32)), float(statistic(rewards64))
+            assert value32 == pytest.approx(value64, rel=group * 2**-24, abs=bound * group * 2**-24)
+    assert torch.isinf(torch.tensor([4 * bound] * group, dtype=torch.float32).mean())
+
+
 def test_good_reward_outputs_pass():
     for rewards in ([1, 0.5, None], (True, False, None), np.array([0.0, 1.0, 2.0]), torch.tensor([1.0, 0, 2])):
         assert reward_problem("r", rewards, 3) is None
