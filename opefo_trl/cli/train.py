@@ -476,6 +476,7 @@ def build_train_dataset(script_args, training_args, model_args, tokenizer):
         check_probe_dataset(
             split_probe(dataset, script_args.probe_prompts)[1], training_args, method.needs_rollout_pass
         )
+    check_run_length(len(dataset) - script_args.probe_prompts, training_args)
     logger.info(
         "Training data: %d problems from %s (template %r); every prompt + %d completion tokens fits the context of %d.",
         len(dataset),
@@ -485,6 +486,19 @@ def build_train_dataset(script_args, training_args, model_args, tokenizer):
         context,
     )
     return dataset
+
+
+def check_run_length(num_prompts: int, training_args) -> None:
+    """Refuse a run that would train no step, or resume a checkpoint at or past its last step."""
+    from opefo_trl.runs import check_steps_left, resume_checkpoint
+    from opefo_trl.trainer.checks import check_trains_some_steps
+
+    steps = check_trains_some_steps(num_prompts, training_args)
+    resume = resume_checkpoint(
+        training_args.resume_from_checkpoint, training_args.output_dir, training_args.method, warn=False
+    )
+    if resume is not None:
+        check_steps_left(resume, steps)
 
 
 def split_probe(dataset, probe_prompts: int) -> tuple:

@@ -15,6 +15,8 @@ Example:
 
 from opefo_trl.runs.checkpoint import (
     check_checkpoint,
+    check_steps_left,
+    checkpoint_step,
     checkpoints,
     load_method_state,
     mark_checkpoint_complete,
@@ -77,6 +79,8 @@ __all__ = [
     "RunLock",
     "busy_message",
     "check_checkpoint",
+    "check_steps_left",
+    "checkpoint_step",
     "checkpoints",
     "foreign_entries",
     "interrupted_run",

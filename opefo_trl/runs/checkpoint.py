@@ -287,6 +287,25 @@ def resume_checkpoint(
     return resume
 
 
+def checkpoint_step(checkpoint: str) -> int:
+    """The optimizer step a checkpoint was saved at (its ``trainer_state.json``'s ``global_step``)."""
+    with open(os.path.join(checkpoint, TRAINER_STATE_NAME)) as f:
+        return int(json.load(f)["global_step"])
+
+
+def check_steps_left(checkpoint: str, planned_steps: int) -> None:
+    """Refuse to resume ``checkpoint`` when it is already at or past the ``planned_steps`` of this run: transformers'
+    Trainer would train one more step and save its model over the finished run's final model."""
+    step = checkpoint_step(checkpoint)
+    if step >= planned_steps:
+        raise CheckpointError(
+            f"Nothing to resume: {checkpoint} is at step {step}, and this run trains {planned_steps} step(s) "
+            "(max_steps, or num_train_epochs over the data), so it has finished; its final model is left as it is (if "
+            f"a run was stopped while saving it, {checkpoint} holds the same weights). To train further, raise "
+            "max_steps or num_train_epochs."
+        )
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 
 

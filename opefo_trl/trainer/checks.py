@@ -87,6 +87,53 @@ def check_training_values(args) -> None:
         raise ValueError("; ".join(problems) + ".")
 
 
+def steps_per_epoch(num_prompts: int, args) -> int:
+    """Optimizer steps in one epoch over ``num_prompts`` prompts, as TRL's sampler and transformers' Trainer count
+    them (0: the data fills no generation batch, which TRL's ``RepeatSampler`` drops whole).
+
+    Each generation batch takes ``generation_batch_size / num_generations`` distinct prompts (an incomplete last one is
+    dropped), is used ``num_iterations`` times and split into ``steps_per_generation`` micro-batches; an optimizer step
+    takes ``gradient_accumulation_steps`` of them, the last of an epoch fewer.
+
+    >>> from types import SimpleNamespace
+    >>> args = SimpleNamespace(generation_batch_size=8, num_generations=2, num_iterations=1, steps_per_generation=2,
+    ...                        gradient_accumulation_steps=2)
+    >>> steps_per_epoch(16, args), steps_per_epoch(3, args)
+    (4, 0)
+    """
+    generations = num_prompts // (args.generation_batch_size // args.num_generations)
+    micro_batches = generations * args.num_iterations * args.steps_per_generation
+    return math.ceil(micro_batches / args.gradient_accumulation_steps)
+
+
+def planned_steps(num_prompts: int, args) -> int:
+    """The optimizer steps a run trains from step 0: ``max_steps`` when set (> 0), else ``num_train_epochs`` epochs,
+    as transformers' Trainer rounds them (up); 0 when one epoch has none."""
+    per_epoch = steps_per_epoch(num_prompts, args)
+    if per_epoch == 0:
+        return 0
+    return args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
+
+
+def check_trains_some_steps(num_prompts: int, args) -> int:
+    """Refuse a run that would train no step, naming why; returns its planned steps (:func:`planned_steps`)."""
+    prompts_per_generation = args.generation_batch_size // args.num_generations
+    if steps_per_epoch(num_prompts, args) == 0:
+        raise ValueError(
+            f"The training data has {num_prompts} problem(s), fewer than one generation batch takes "
+            f"({prompts_per_generation}: generation_batch_size {args.generation_batch_size} / num_generations "
+            f"{args.num_generations}); TRL drops an incomplete generation batch, so this run would train 0 steps. "
+            "Give more data, or a smaller per_device_train_batch_size / steps_per_generation."
+        )
+    steps = planned_steps(num_prompts, args)
+    if steps <= 0:
+        raise ValueError(
+            f"num_train_epochs={args.num_train_epochs} with max_steps={args.max_steps} trains 0 steps; give "
+            "num_train_epochs > 0 or max_steps > 0."
+        )
+    return steps
+
+
 class RewardFunctionError(ValueError):
     """A reward function raised or returned something that is not one finite number (or None) per completion."""
 

@@ -444,7 +444,7 @@ def test_an_earlier_run_is_refused_unless_resumed_or_overwritten(
     assert f"overwrite_output_dir would delete the checkpoint {earlier_run / 'checkpoint-3'}" in capsys.readouterr().err
     assert snapshot(tmp_path) == before
     # Resuming it, or overwriting it, passes the checks (and reaches model loading, which the fixture refuses).
-    for accepted in (["--resume_from_checkpoint", "true"], ["--overwrite_output_dir", "true"]):
+    for accepted in (["--resume_from_checkpoint", "true", "--max_steps", "4"], ["--overwrite_output_dir", "true"]):
         with pytest.raises(no_model_loading):
             main(argv + accepted)
     assert snapshot(tmp_path) == before  # an overwrite that fails before its first checkpoint moves everything back
@@ -1168,3 +1168,86 @@ def test_files_that_appear_beside_a_run_are_not_its_own_and_an_overwrite_keeps_t
         k: v for k, v in kept.items() if k.startswith("eval_ck1")
     }
     assert not (out / "checkpoint-2").exists() and (out / "checkpoint-1").exists()
+
+
+@pytest.mark.parametrize(
+    "rows, extra, message",
+    [
+        (
+            3,
+            [],
+            "The training data has 3 problem(s), fewer than one generation batch takes (4: "
+            "generation_batch_size 8 / num_generations 2); TRL drops an incomplete generation batch, so this run would "
+            "train 0 steps.",
+        ),  # fmt: skip
+        (16, ["--max_steps", "-1", "--num_train_epochs", "0"], "num_train_epochs=0.0 with max_steps=-1 trains 0 steps"),
+    ],
+)
+def test_a_run_that_would_train_no_step_is_refused_before_loading(
+    rows, extra, message, tiny_model_path, problems_file, tmp_path, no_model_loading, capsys
+):
+    """D5: not 0 steps, exit 0 and the untrained model saved as the final model."""
+    data = tmp_path / "few.jsonl"
+    data.write_text("".join(open(problems_file).readlines()[:rows]))
+    out = tmp_path / "out"
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, str(data), str(out)), *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"opefo-train: error: {message}" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+KILLED_FINAL_SAVE = """
+import os, signal, sys
+
+from opefo_trl.runs import RunFolder
+
+original = RunFolder.declare
+
+
+def killed_while_moving_the_final_model(self, names):
+    original(self, names)
+    if "model.safetensors" in names:  # every file of the final model is named in the manifest: kill -9 here
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+RunFolder.declare = killed_while_moving_the_final_model
+from opefo_trl.cli.train import main
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_resume_of_a_finished_run_trains_nothing_and_keeps_its_final_model(
+    tiny_model_path, problems_file, tmp_path, reward_module, capsys, snapshot
+):
+    """D3: resuming a run whose last checkpoint is at (or past) max_steps trained one more step and saved it over the
+    final model; so did resuming after a kill -9 while the final model was moved into place."""
+    out = tmp_path / "out"
+    reward = ["--reward_funcs", "opefo_cli_test_rewards.digit_overlap_reward"]
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(out), max_steps=2), *reward]
+    assert main([*argv, "--save_steps", "1"]) == 0
+    capsys.readouterr()
+    before = snapshot(tmp_path)
+    for resume, steps in ((["true"], "2"), ([str(out / "checkpoint-2")], "1"), ([str(out / "checkpoint-1")], "1")):
+        assert main([*argv, "--max_steps", steps, "--resume_from_checkpoint", *resume]) == 2
+        err = capsys.readouterr().err
+        checkpoint = out / ("checkpoint-1" if resume[0].endswith("1") else "checkpoint-2")
+        assert (
+            f"opefo-train: error: Nothing to resume: {checkpoint} is at step {checkpoint.name[-1]}, and this run "
+            f"trains {steps} step(s)"
+        ) in err
+        assert snapshot(tmp_path) == before
+
+    killed_dir = tmp_path / "killed"
+    killed_argv = [
+        "--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(killed_dir), max_steps=2), *reward,
+    ]  # fmt: skip
+    killed = _start(tmp_path / "..", [*killed_argv, "--save_steps", "1"], KILLED_FINAL_SAVE, PYTHONPATH=str(tmp_path))
+    output = killed.communicate(timeout=600)[0].decode()
+    assert killed.returncode == -9, output[-3000:]
+    metrics = (killed_dir / "metrics.jsonl").read_text()
+    checkpoint = snapshot(killed_dir / "checkpoint-2")
+    assert main([*killed_argv, "--resume_from_checkpoint", "true"]) == 2
+    assert f"Nothing to resume: {killed_dir / 'checkpoint-2'} is at step 2" in capsys.readouterr().err
+    assert (killed_dir / "metrics.jsonl").read_text() == metrics and snapshot(killed_dir / "checkpoint-2") == checkpoint

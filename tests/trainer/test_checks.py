@@ -277,3 +277,51 @@ def test_args_none_names_the_output_dir_as_grpo_trainer_does(tiny_model_path, le
             trainer_class(tiny_model_path, length_reward)
         names.append(str(named.value))
     assert names == ["model-GRPO", "model-GRPO"]  # the tiny model's folder is called `model`
+
+
+@pytest.mark.parametrize(
+    "num_prompts, overrides",
+    [
+        (16, dict(per_device_train_batch_size=8, num_generations=4, max_steps=-1, num_train_epochs=1)),
+        (
+            16,
+            dict(
+                per_device_train_batch_size=4,
+                num_generations=2,
+                gradient_accumulation_steps=2,
+                max_steps=-1,
+                num_train_epochs=1.5,
+            ),
+        ),  # fmt: skip
+        (
+            13,
+            dict(
+                per_device_train_batch_size=4,
+                num_generations=2,
+                steps_per_generation=4,
+                gradient_accumulation_steps=3,
+                num_iterations=2,
+                max_steps=-1,
+                num_train_epochs=2,
+                method="grpo",
+            ),
+        ),  # fmt: skip
+        (16, dict(per_device_train_batch_size=4, num_generations=2, max_steps=5)),
+        (3, dict(per_device_train_batch_size=8, num_generations=2, max_steps=5)),  # one generation batch takes 4
+        (16, dict(per_device_train_batch_size=8, num_generations=4, max_steps=-1, num_train_epochs=0)),
+    ],
+)
+def test_planned_steps_are_the_steps_trls_data_loader_and_transformers_train(
+    num_prompts, overrides, tiny_model_path, tiny_dataset, length_reward, tmp_path
+):
+    """The count the refusals of 0-step runs and finished resumes use, against the trainer's own: transformers' step
+    count over TRL's data loader (which yields nothing at all when the data fills no generation batch)."""
+    from trainer_setup import make_config, make_trainer
+
+    from opefo_trl.trainer.checks import planned_steps
+
+    args = make_config(tmp_path, **overrides)
+    trainer = make_trainer(tiny_model_path, tiny_dataset.select(range(num_prompts)), length_reward, args)
+    loader = trainer.get_train_dataloader()
+    expected = 0 if len(loader) == 0 else trainer.set_initial_training_values(args, loader)[-1]
+    assert planned_steps(num_prompts, args) == expected
