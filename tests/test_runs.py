@@ -267,7 +267,7 @@ def test_a_saved_checkpoint_has_the_method_state_and_the_marker_last(tmp_path):
     checkpoint = tmp_path / "checkpoint-1"
     marker = json.loads((checkpoint / CHECKPOINT_MARKER).read_text())
     assert marker["step"] == 1 and sorted(marker["files"]) == sorted(
-        ["model.safetensors", "optimizer.pt", "trainer_state.json", METHOD_STATE_NAME]
+        ["model.safetensors", "optimizer.pt", "trainer_state.json", METHOD_STATE_NAME, "opefo_run_options.json"]
     )
     assert marker["files"]["optimizer.pt"] == os.path.getsize(checkpoint / "optimizer.pt")
     assert load_method_state(str(checkpoint), "par") == {"coef": 0.1}

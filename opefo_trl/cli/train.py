@@ -489,8 +489,9 @@ def build_train_dataset(script_args, training_args, model_args, tokenizer):
 
 
 def check_run_length(num_prompts: int, training_args) -> None:
-    """Refuse a run that would train no step, or resume a checkpoint at or past its last step."""
-    from opefo_trl.runs import check_steps_left, resume_checkpoint
+    """Refuse a run that would train no step, or resume a checkpoint at or past its last step or with options it
+    would override (`opefo_trl.runs.options`)."""
+    from opefo_trl.runs import check_resume_options, check_steps_left, resume_checkpoint
     from opefo_trl.trainer.checks import check_trains_some_steps
 
     steps = check_trains_some_steps(num_prompts, training_args)
@@ -499,6 +500,7 @@ def check_run_length(num_prompts: int, training_args) -> None:
     )
     if resume is not None:
         check_steps_left(resume, steps)
+        check_resume_options(resume, training_args)  # what it takes is said when training resumes
 
 
 def split_probe(dataset, probe_prompts: int) -> tuple:

@@ -42,6 +42,7 @@ from opefo_trl.runs.files import (
     remove_entry,
     write_json_atomically,
 )
+from opefo_trl.runs.options import save_run_options
 
 logger = logging.getLogger(__name__)
 
@@ -370,6 +371,7 @@ def saving_checkpoint(
             wait_for_everyone()
             if writer:
                 save_method_state(folder, *method_state())
+                save_run_options(folder, args)
                 mark_checkpoint_complete(folder)
     finally:
         args.save_total_limit = limit

@@ -1251,3 +1251,35 @@ def test_a_resume_of_a_finished_run_trains_nothing_and_keeps_its_final_model(
     assert main([*killed_argv, "--resume_from_checkpoint", "true"]) == 2
     assert f"Nothing to resume: {killed_dir / 'checkpoint-2'} is at step 2" in capsys.readouterr().err
     assert (killed_dir / "metrics.jsonl").read_text() == metrics and snapshot(killed_dir / "checkpoint-2") == checkpoint
+
+
+def test_a_resume_with_options_the_checkpoint_would_override_is_refused_and_others_are_said(
+    tiny_model_path, problems_file, tmp_path, reward_module, capsys, caplog, snapshot
+):
+    """D4: a new learning rate was dropped without a word (the restored scheduler keeps the old one); a new batch
+    shape, num_generations or seed was taken without a word (the epoch counter jumped back); a new length too."""
+    out = tmp_path / "out"
+    reward = ["--reward_funcs", "opefo_cli_test_rewards.digit_overlap_reward"]
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(out), save_steps=1), *reward]
+    assert main(argv) == 0
+    checkpoint = out / "checkpoint-1"
+    assert json.loads((checkpoint / "opefo_run_options.json").read_text())["learning_rate"] == 2.83e-6
+    resume = [*argv, "--max_steps", "2", "--resume_from_checkpoint", "true"]
+    before = snapshot(tmp_path)
+    for extra, refused in (
+        (["--learning_rate", "1e-5"], "learning_rate 2.83e-06 -> 1e-05: the checkpoint's scheduler and optimizer"),
+        (["--gradient_accumulation_steps", "1"], "gradient_accumulation_steps 2 -> 1, steps_per_generation 2 -> 1, "
+         "generation_batch_size 8 -> 4: the steps already trained would stand for other prompts"),  # fmt: skip
+        (["--num_generations", "4"], "num_generations 2 -> 4: the steps already trained"),
+        (["--seed", "7"], "seed 42 -> 7: every epoch's prompt order is drawn from it"),
+    ):
+        assert main([*resume, *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"opefo-train: error: Cannot resume {checkpoint} with other options than it was trained with: " in err
+        assert refused in err and "Traceback" not in err
+        assert snapshot(tmp_path) == before
+    with caplog.at_level("WARNING"):
+        assert main([*resume, "--max_completion_length", "16", "--temperature", "0.7"]) == 0
+    assert f"Resuming {checkpoint} with max_completion_length 8 -> 16 from step 1 on." in caplog.text
+    assert f"Resuming {checkpoint} with temperature 1.0 -> 0.7 from step 1 on." in caplog.text
+    assert [m["step"] for m in _metrics(str(out)) if "reward" in m] == [1, 2]
