@@ -1268,8 +1268,11 @@ def test_a_resume_with_options_the_checkpoint_would_override_is_refused_and_othe
     before = snapshot(tmp_path)
     for extra, refused in (
         (["--learning_rate", "1e-5"], "learning_rate 2.83e-06 -> 1e-05: the checkpoint's scheduler and optimizer"),
-        (["--gradient_accumulation_steps", "1"], "gradient_accumulation_steps 2 -> 1, steps_per_generation 2 -> 1, "
-         "generation_batch_size 8 -> 4: the steps already trained would stand for other prompts"),  # fmt: skip
+        (
+            ["--gradient_accumulation_steps", "1"],
+            "gradient_accumulation_steps 2 -> 1, steps_per_generation 2 -> 1, "
+            "generation_batch_size 8 -> 4: the steps already trained would stand for other prompts",
+        ),  # fmt: skip
         (["--num_generations", "4"], "num_generations 2 -> 4: the steps already trained"),
         (["--seed", "7"], "seed 42 -> 7: every epoch's prompt order is drawn from it"),
     ):
