@@ -67,6 +67,10 @@ def check_training_values(args) -> None:
         f"{option}: must be a finite number (every number option is, not inf or nan)"
         for option in non_finite_options(args)
     ]
+    for option in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+        value = getattr(args, option, 1)
+        if value < 1:
+            problems.append(f"{option}={value}: must be at least 1")
     if args.learning_rate < 0:
         problems.append(f"learning_rate={args.learning_rate}: the learning rate must be >= 0 (e.g. 1e-6)")
     if args.max_completion_length is not None and args.max_completion_length < 1:

@@ -240,6 +240,10 @@ def test_prompt_longer_than_context_fails_before_model_loading(
         (["--learning_rate", "-1"], ValueError, "learning_rate=-1.0: the learning rate must be >= 0 (e.g. 1e-6)"),
         (["--max_completion_length", "0"], ValueError, "max_completion_length=0: completions need at least 1 token"),
         (["--temperature", "0"], ValueError, "temperature=0.0: GRPO samples completions and scores"),
+        # D9: a ZeroDivisionError / "maxlen must be non-negative" traceback after loading
+        (["--gradient_accumulation_steps", "0"], ValueError, "gradient_accumulation_steps=0: must be at least 1."),
+        (["--gradient_accumulation_steps", "-1"], ValueError, "gradient_accumulation_steps=-1: must be at least 1."),
+        (["--per_device_train_batch_size", "0"], ValueError, "per_device_train_batch_size=0: must be at least 1."),
         # Non-finite numbers: before, lr inf trained a non-finite model with exit 0, nan and temperature nan crashed.
         (["--learning_rate", "inf"], ValueError, "learning_rate=inf: must be a finite number"),
         (["--learning_rate", "nan"], ValueError, "learning_rate=nan: must be a finite number"),
@@ -275,6 +279,20 @@ def test_a_model_folder_without_weights_is_named_before_loading(
     err = capsys.readouterr().err
     assert err.startswith("opefo-train: error: ") and "Traceback" not in err
     assert f"{weightless} holds no weights (no *.safetensors, pytorch_model*.bin or shard index)" in err
+
+
+def test_a_model_folder_without_tokenizer_files_is_named_before_loading(
+    tiny_model_path, problems_file, tmp_path, no_model_loading, capsys
+):
+    """D8: what a kill -9 while moving the final model leaves (config and weights, no tokenizer) was an IndexError
+    after the model loaded."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model, ignore=shutil.ignore_patterns("tokenizer*", "vocab*", "merges*"))
+    argv = ["--config", RECIPE, *_cpu_overrides(str(model), problems_file, str(tmp_path / "out"))]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"opefo-train: error: Model directory {model} has no tokenizer files (none of tokenizer.json")
+    assert "Traceback" not in err
 
 
 def test_missing_model_is_a_clear_error(problems_file, tmp_path):
