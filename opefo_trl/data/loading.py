@@ -39,6 +39,7 @@ Examples:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Sequence
@@ -153,9 +154,59 @@ def local_file_builder(data_files: str | os.PathLike | Sequence[str | os.PathLik
                 f"{', '.join(LOCAL_FILE_BUILDERS)}."
             )
         builders.add(LOCAL_FILE_BUILDERS[extension])
+        if LOCAL_FILE_BUILDERS[extension] == "json":
+            check_json_rows(path)
     if len(builders) > 1:
         raise ValueError(f"All data files must have one format, got a mix of {sorted(builders)}: {files}.")
     return builders.pop()
+
+
+def check_json_rows(path: str) -> None:
+    r"""Refuse a JSON / JSONL data file `datasets` would fail on with a traceback, naming the first bad line: JSON lines
+    (one object per line) unless the file is one JSON document (an array of objects, or an object of columns).
+
+    >>> import tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "rows.jsonl")
+    >>> _ = open(path, "w").write('{"a": 1}\n{"a": 2,\n')
+    >>> check_json_rows(path)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: Data file '...rows.jsonl', line 2, is not a JSON object (Expecting property name ...
+    """
+    with open(path, encoding="utf-8", errors="replace") as f:
+        head = f.read(1 << 16).lstrip()
+    if head.startswith("[") or (head.startswith("{") and not _is_json_object(head.split("\n", 1)[0])):
+        try:  # one document; json.load names the line of a syntax error
+            with open(path, encoding="utf-8") as f:
+                json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(
+                f"Data file {path!r} is not valid JSON ({err}); fix it, or write one object per line."
+            ) from None
+        return
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as err:
+                reason = f"{err.msg}: column {err.colno}"
+            else:
+                if isinstance(row, dict):
+                    continue
+                reason = f"a {type(row).__name__}"
+            raise ValueError(
+                f"Data file {path!r}, line {number}, is not a JSON object ({reason}): every line of a JSON-lines file "
+                'is one row, {"column": value, ...}; fix or remove that line.'
+            )
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
 
 
 def _is_blank(path: str, chunk_size: int = 1 << 16) -> bool:

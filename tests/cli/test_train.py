@@ -295,6 +295,22 @@ def test_a_model_folder_without_tokenizer_files_is_named_before_loading(
     assert "Traceback" not in err
 
 
+def test_a_malformed_line_in_the_training_data_is_named_before_loading(
+    tiny_model_path, problems_file, tmp_path, no_model_loading, capsys
+):
+    """D11: a `datasets` traceback (a JSON parse error deep in its json builder)."""
+    data = tmp_path / "problems.jsonl"
+    lines = open(problems_file).readlines()
+    data.write_text("".join(lines[:2]) + '{"prompt": "What is 1 + 1?", "solution": "2"\n' + "".join(lines[2:]))
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, str(data), str(tmp_path / "out"))]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"opefo-train: error: Data file '{data}', line 3, is not a JSON object (Expecting ',' delimiter: column 45)"
+    )
+    assert "fix or remove that line" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 def test_missing_model_is_a_clear_error(problems_file, tmp_path):
     with pytest.raises(ValueError, match="model_name_or_path is not set"):
         parse_args(["--dataset_files", problems_file, "--use_cpu", "true", "--output_dir", str(tmp_path)])
@@ -629,7 +645,7 @@ def test_a_broken_checkpoint_is_named_before_loading_with_the_one_to_try(
     # The named fix passes the checks, and so does `true`, which takes the last whole checkpoint: checkpoint-2.
     for resume in (str(earlier_run / "checkpoint-2"), "true"):
         with pytest.raises(no_model_loading):
-            main(argv + ["--resume_from_checkpoint", resume])
+            main(argv + ["--resume_from_checkpoint", resume, "--max_steps", "4"])
     assert snapshot(tmp_path) == before
 
 
