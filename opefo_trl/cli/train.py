@@ -125,7 +125,9 @@ class TrainScriptArguments:
         default_factory=lambda: [DEFAULT_REWARD],
         metadata={
             "help": "Reward functions: 'math_accuracy_reward' (math-verify against the `solution` column) or "
-            "dotted import paths ('my_pkg.rewards.my_reward'). Weights: `reward_weights`."
+            "dotted import paths ('my_pkg.rewards.my_reward'). Each is called as TRL calls it, with the completions, "
+            "`solution` and the data set's other columns as keyword arguments, each function its own copy. Weights: "
+            "`reward_weights`."
         },
     )
     context_length: int | None = field(

@@ -494,7 +494,8 @@ def load_math_dataset(
     deduplicate: bool | None = None,
     max_samples: int | None = None,
 ):
-    """Load a math data set as TRL conversational prompts (`prompt`) with gold answers (`solution`).
+    """Load a math data set as TRL conversational prompts (`prompt`) with gold answers (`solution`), and its other
+    columns, which TRL passes to the reward functions as keyword arguments.
 
     Args:
         name: a preset from `DATASET_PRESETS`, `"local"` (then `data_files` is required), any hub id, a local data
@@ -539,7 +540,8 @@ def load_math_dataset(
     _check_column(raw, source.answer_column, role="gold answer", option="answer_column", source=shown)
 
     top_columns = list(dict.fromkeys([source.problem_column.split(".")[0], source.answer_column.split(".")[0]]))
-    raw = raw.select_columns(top_columns)
+    extra_columns = _extra_columns(raw.column_names, top_columns, shown)
+    full, raw = raw, raw.select_columns(top_columns)
     problems = _problem_texts(_column_values(raw, source.problem_column), source.problem_column)
     if source.unwrap_dapo_instruction:
         problems = [unwrap_dapo_instruction(p) for p in problems]
@@ -549,7 +551,7 @@ def load_math_dataset(
     raw_answers = _column_values(raw, source.answer_column).to_pylist()
     extract = _ANSWER_EXTRACTORS[source.answer_format]
 
-    prompts, solutions, unanswerable = [], [], []
+    prompts, solutions, rows, unanswerable = [], [], [], []
     for i in keep:
         answer = extract(raw_answers[i])
         if answer is None or not problems[i]:
@@ -557,6 +559,7 @@ def load_math_dataset(
             continue
         prompts.append(format_prompt(problems[i], template))
         solutions.append(answer)
+        rows.append(i)
         if max_samples is not None and len(prompts) >= max_samples:
             break
     if unanswerable:
@@ -573,7 +576,32 @@ def load_math_dataset(
             f"No usable rows in {shown}: none of {len(keep)} rows has a problem and a {source.answer_format!r} "
             f"gold answer in column {source.answer_column!r}. Check `answer_column` and `answer_format`."
         )
-    return Dataset.from_dict({"prompt": prompts, "solution": solutions})
+    dataset = Dataset.from_dict({"prompt": prompts, "solution": solutions})
+    if extra_columns:  # TRL passes every column but the prompt to the reward functions, as keyword arguments
+        from datasets import concatenate_datasets
+
+        dataset = concatenate_datasets([dataset, full.select(rows).select_columns(extra_columns)], axis=1)
+    return dataset
+
+
+#: Keyword arguments TRL gives reward functions itself: a data column of one of these names would clash with it.
+REWARD_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments")
+
+
+def _extra_columns(columns: Sequence[str], used: Sequence[str], shown: str) -> list[str]:
+    """The data set's columns besides the problem and the answer, kept for the reward functions; those whose names
+    the training data or TRL's reward arguments take are dropped, with a warning naming them."""
+    taken = {"prompt", "solution", *REWARD_KWARGS}
+    extra = [c for c in columns if c not in used]
+    dropped = [c for c in extra if c in taken]
+    if dropped:
+        logger.warning(
+            "Column(s) %s of %s are not passed to the reward functions: the prompt, the gold answer (solution) and "
+            "TRL's own reward arguments take those names. Rename them to pass them.",
+            ", ".join(dropped),
+            shown,
+        )
+    return [c for c in extra if c not in taken]
 
 
 # ----------------------------------------------------------------------------------------------------------------------

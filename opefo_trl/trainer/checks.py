@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import numbers
@@ -218,6 +219,16 @@ def _shown(value: Any) -> str:
         return f"an integer of {len(str(abs(int(value))))} digits"
 
 
+#: What TRL gives every reward function as it is: the trainer's state and its logging hooks, not data.
+SHARED_REWARD_KWARGS = frozenset({"trainer_state", "log_extra", "log_metric", "environments"})
+
+
+def own_copy(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A reward function's own copy of its inputs (prompts, completions, the data columns): TRL hands every function
+    the same lists, so one that changes them would change what the next one is given."""
+    return {key: value if key in SHARED_REWARD_KWARGS else copy.deepcopy(value) for key, value in kwargs.items()}
+
+
 def _where(err: BaseException) -> str:
     frames = traceback.extract_tb(err.__traceback__)
     return f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
@@ -285,7 +296,7 @@ class RewardCheck:
                 if self.error is not None:
                     return [0.0] * self.num_completions
                 try:
-                    rewards = await func(*args, **kwargs)
+                    rewards = await func(*args, **own_copy(kwargs))
                 except (Exception, SystemExit) as err:  # user code: reported with where it was raised
                     return self._result(name, None, err)
                 return self._result(name, rewards, None)
@@ -296,7 +307,7 @@ class RewardCheck:
             if self.error is not None:
                 return [0.0] * self.num_completions
             try:
-                rewards = func(*args, **kwargs)
+                rewards = func(*args, **own_copy(kwargs))
             except (Exception, SystemExit) as err:  # user code, sys.exit() included: named, not a bare exit
                 return self._result(name, None, err)
             return self._result(name, rewards, None)

@@ -1320,3 +1320,54 @@ def test_a_resume_with_options_the_checkpoint_would_override_is_refused_and_othe
     assert f"Resuming {checkpoint} with max_completion_length 8 -> 16 from step 1 on." in caplog.text
     assert f"Resuming {checkpoint} with temperature 1.0 -> 0.7 from step 1 on." in caplog.text
     assert [m["step"] for m in _metrics(str(out)) if "reward" in m] == [1, 2]
+
+
+COLUMN_REWARDS_MODULE = '''
+SEEN = []
+
+
+def mutating_reward(completions, solution, difficulty, **kwargs):
+    """Changes its inputs in place: the next reward function must not see it."""
+    scores = [float(d) for d in difficulty]
+    solution[:] = ["changed"] * len(solution)
+    difficulty.clear()
+    completions[0][-1]["content"] = "changed"
+    return scores
+
+
+def recording_reward(completions, solution, difficulty, source, **kwargs):
+    SEEN.append((list(solution), list(difficulty), list(source), completions[0][-1]["content"]))
+    return [0.0 for _ in completions]
+'''
+
+
+def test_reward_functions_get_the_extra_columns_each_its_own_copy(
+    tiny_model_path, problems_file, tmp_path, monkeypatch
+):
+    """D15/D16: extra data columns were dropped before the reward functions (TRL passes them), and a reward function
+    that changed its inputs changed what the next one was given."""
+    rows = [json.loads(line) for line in open(problems_file)]
+    data = tmp_path / "problems.jsonl"
+    data.write_text(
+        "".join(json.dumps({**r, "difficulty": i % 3, "source": f"s{i}"}) + "\n" for i, r in enumerate(rows))
+    )
+    (tmp_path / "opefo_cli_column_rewards.py").write_text(COLUMN_REWARDS_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = __import__("opefo_cli_column_rewards")
+    argv = [
+        "--config", RECIPE, *_cpu_overrides(tiny_model_path, str(data), str(tmp_path / "out")),
+        "--reward_funcs", "opefo_cli_column_rewards.mutating_reward", "opefo_cli_column_rewards.recording_reward",
+    ]  # fmt: skip
+    try:
+        assert main(argv) == 0
+    finally:
+        __import__("sys").modules.pop("opefo_cli_column_rewards", None)
+    gold = {r["solution"]: (i % 3, f"s{i}") for i, r in enumerate(rows)}
+    seen = [
+        (s, d, src)
+        for solutions, difficulties, sources, _ in module.SEEN
+        for s, d, src in zip(solutions, difficulties, sources, strict=True)
+    ]
+    assert len(seen) == 8  # 4 prompts x 2 completions, each with its own row's columns
+    assert all(gold[s] == (d, src) for s, d, src in seen)
+    assert all(text != "changed" for *_, text in module.SEEN)

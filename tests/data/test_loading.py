@@ -99,8 +99,9 @@ def test_dapo_processed_parquet(tmp_path):
     ]
     path = _write_parquet(tmp_path / "dapo.parquet", rows)
     ds = load_math_dataset("dapo-math-17k", template="qwen_math_boxed", data_files=[path])
-    assert ds.column_names == ["prompt", "solution"]
-    assert ds["solution"] == ["2", "2"]
+    # The other columns are kept: TRL passes them to the reward functions.
+    assert ds.column_names == ["prompt", "solution", "data_source", "ability", "source_prompt"]
+    assert ds["solution"] == ["2", "2"] and ds["data_source"] == ["math_dapo"] * 2
     assert ds[0]["prompt"] == [
         {"role": "system", "content": QWEN_MATH_SYSTEM_PROMPT},
         {"role": "user", "content": "What is $1+1$?"},
