@@ -348,6 +348,11 @@ def validate_output_dir(script_args, training_args, model_name_or_path: str | No
     )
 
     output_dir, resume = training_args.output_dir, training_args.resume_from_checkpoint
+    if os.path.islink(output_dir) and not os.path.exists(output_dir):
+        raise ValueError(
+            f"output_dir {output_dir!r} is a symbolic link to {os.readlink(output_dir)!r}, which does not exist; "
+            "create that folder, or give another --output_dir."
+        )
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ValueError(f"output_dir {output_dir!r} is a file; give a directory (it is created if missing).")
     writer = _writes_output_dir(training_args)

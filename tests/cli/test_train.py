@@ -311,6 +311,44 @@ def test_a_malformed_line_in_the_training_data_is_named_before_loading(
     assert "fix or remove that line" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_dangling_symlink_output_dir_and_a_duplicate_recipe_key_are_one_line(
+    tiny_model_path, problems_file, tmp_path, no_model_loading, capsys
+):
+    """Issue 32: "[Errno 17] File exists" for the link; the last of two values taken without a word for the key."""
+    link = tmp_path / "runs"
+    link.symlink_to(tmp_path / "gone")
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(link))]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"opefo-train: error: output_dir '{link}' is a symbolic link to '{tmp_path / 'gone'}', which does not exist; "
+        "create that folder, or give another --output_dir.\n"
+    )
+    recipe = tmp_path / "twice.yaml"
+    lines = open(RECIPE).read().splitlines()
+    recipe.write_text("\n".join([*lines, "learning_rate: 1.0e-5"]) + "\n")
+    first = next(i for i, line in enumerate(lines, 1) if line.startswith("learning_rate:"))
+    argv = ["--config", str(recipe), *_cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "out"))]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"opefo-train: error: Recipe file '{recipe}' is not valid YAML: key 'learning_rate' is ")
+    assert f"given twice (lines {first} and {len(lines) + 1}); keep one" in err and "Traceback" not in err
+
+
+def test_resume_from_a_run_folder_is_not_a_checkpoint(
+    tiny_model_path, problems_file, tmp_path, write_checkpoint, no_model_loading, capsys
+):
+    """Issue 32: "the save of this checkpoint did not finish" for a folder that is no checkpoint at all."""
+    out = tmp_path / "out"
+    write_checkpoint(out, 2)
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "new"))]
+    for folder in (out, tiny_model_path):
+        assert main([*argv, "--resume_from_checkpoint", str(folder)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"opefo-train: error: resume_from_checkpoint {folder} is not a checkpoint")
+    assert "it is a model: start from its weights with --model_name_or_path" in err
+
+
 def test_missing_model_is_a_clear_error(problems_file, tmp_path):
     with pytest.raises(ValueError, match="model_name_or_path is not set"):
         parse_args(["--dataset_files", problems_file, "--use_cpu", "true", "--output_dir", str(tmp_path)])
@@ -1062,7 +1100,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_no_partial_check
     assert [line for line in err.splitlines() if "error" in line.lower()] == [
         f"opefo-train: error: Cannot save the checkpoint {checkpoint}: OSError: [Errno 28] No space left on device: "
         f"'{checkpoint / 'optimizer.pt'}'. The unfinished checkpoint was removed. Free space on that disk (or make the "
-        "folder writable), then resume from the last whole checkpoint with --resume_from_checkpoint true."
+        "folder writable), then run the command again (no whole checkpoint of this run is left to resume from)."
     ]
     assert "Traceback" not in err
     assert snapshot(tmp_path) == before
