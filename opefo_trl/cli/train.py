@@ -12,9 +12,10 @@ Parsing is shared with `opefo-eval` (`opefo_trl.cli.options`): a misspelt or unk
 command line, is an error that names it and the closest options. Everything that can be checked without the model's
 weights is checked before they are loaded: the options (types of recipe values included), the model path, the data
 files and columns, the reward functions, the output_dir (see below), every file of the checkpoint to resume from,
-and that every prompt plus `max_completion_length` fits the model's context. Such errors, a reward function that
-fails at its first call, and a checkpoint that cannot be written (a full disk) are printed as
-`opefo-train: error: ...` with exit status 2.
+that every prompt plus `max_completion_length` fits the model's context, that the run trains at least one step, and
+that a resume has steps left and keeps the options its checkpoint would override (`opefo_trl.runs.options`). Such
+errors, a reward function that fails at its first call, and a checkpoint that cannot be written (a full disk) are
+printed as `opefo-train: error: ...` with exit status 2.
 
 The output_dir is the run's own (`opefo_trl.runs`): one run at a time holds it (a second is refused at once, naming
 the first's pid and host); the run records every top-level entry it writes in `opefo_run_manifest.json`, and
