@@ -306,8 +306,8 @@ def parse_options(parser, argv: Sequence[str] | None = None, *, positional: str 
     ``positional`` names a list option that also takes the values given without a flag (``opefo-plot``'s runs).
 
     Raises:
-        ValueError: an unknown or misspelt recipe key or flag (with the closest option names), a value no flag takes,
-            a recipe that is not a YAML mapping, or a value a dataclass refuses.
+        ValueError: an unknown or misspelt recipe key or flag (with the closest option names), a recipe key given
+            twice, a value no flag takes, a recipe that is not a YAML mapping, or a value a dataclass refuses.
         FileNotFoundError: the recipe file does not exist.
     """
     import yaml
@@ -331,7 +331,13 @@ def parse_options(parser, argv: Sequence[str] | None = None, *, positional: str 
         parsed = parser.parse_args_and_config(argv, fail_with_unknown_args=True)
     except yaml.YAMLError as err:
         raise ValueError(f"Recipe file {recipe!r} is not valid YAML: {err}") from err
+    except DuplicateRecipeKey as err:
+        raise ValueError(f"Recipe file {recipe!r}: {err}") from None
     return tuple(parsed[: len(parser.dataclass_types)])  # drop the namespace holding the help-only `config`
+
+
+class DuplicateRecipeKey(ValueError):
+    """A recipe key given twice in one mapping."""
 
 
 def _unique_key_loader():
@@ -344,12 +350,9 @@ def _unique_key_loader():
             for key_node, _ in node.value:
                 key = self.construct_object(key_node, deep=deep)
                 if key in first:
-                    raise yaml.constructor.ConstructorError(
-                        None,
-                        None,
+                    raise DuplicateRecipeKey(
                         f"key {key!r} is given twice (lines {first[key] + 1} and {key_node.start_mark.line + 1}); "
-                        "keep one",
-                        key_node.start_mark,
+                        "keep one."
                     )
                 first[key] = key_node.start_mark.line
             return super().construct_mapping(node, deep)

@@ -198,7 +198,9 @@ def test_non_mapping_recipe_is_a_clear_error(tmp_path):
 
 def test_missing_dataset_column_fails_before_model_loading(tiny_model_path, tmp_path, no_model_loading, capsys):
     data_file = tmp_path / "q.jsonl"
-    data_file.write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
+    data_file.write_text(
+        "".join(json.dumps({"question": f"What is 1 + {i}?", "answer": str(i + 1)}) + "\n" for i in range(4))
+    )
     argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, str(data_file), str(tmp_path / "out"))]
     assert main(argv) == 2
     message = capsys.readouterr().err
@@ -331,8 +333,10 @@ def test_a_dangling_symlink_output_dir_and_a_duplicate_recipe_key_are_one_line(
     argv = ["--config", str(recipe), *_cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "out"))]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"opefo-train: error: Recipe file '{recipe}' is not valid YAML: key 'learning_rate' is ")
-    assert f"given twice (lines {first} and {len(lines) + 1}); keep one" in err and "Traceback" not in err
+    assert err == (
+        f"opefo-train: error: Recipe file '{recipe}': key 'learning_rate' is given twice (lines {first} and "
+        f"{len(lines) + 1}); keep one.\n"
+    )
 
 
 def test_resume_from_a_run_folder_is_not_a_checkpoint(
@@ -728,9 +732,10 @@ def test_an_output_dir_that_is_a_file_and_an_empty_data_file(
 )
 def test_recipe_values_of_the_wrong_type_are_refused(line, message, tiny_model_path, problems_file, tmp_path, capsys):
     recipe = tmp_path / "typed.yaml"
-    recipe.write_text(open(RECIPE).read() + f"\n{line}\n")
-    overrides = [a for a in _cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "out")) if a]
     key = line.split(":")[0]
+    kept = [entry for entry in open(RECIPE).read().splitlines() if not entry.startswith(f"{key}:")]
+    recipe.write_text("\n".join([*kept, line]) + "\n")
+    overrides = [a for a in _cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "out")) if a]
     i = overrides.index(f"--{key}")
     argv = ["--config", str(recipe), *overrides[:i], *overrides[i + 2 :]]  # the recipe's value, not the flag's
     assert main(argv) == 2
