@@ -267,7 +267,7 @@ def test_a_saved_checkpoint_has_the_method_state_and_the_marker_last(tmp_path):
     checkpoint = tmp_path / "checkpoint-1"
     marker = json.loads((checkpoint / CHECKPOINT_MARKER).read_text())
     assert marker["step"] == 1 and sorted(marker["files"]) == sorted(
-        ["model.safetensors", "optimizer.pt", "trainer_state.json", METHOD_STATE_NAME]
+        ["model.safetensors", "optimizer.pt", "trainer_state.json", METHOD_STATE_NAME, "opefo_run_options.json"]
     )
     assert marker["files"]["optimizer.pt"] == os.path.getsize(checkpoint / "optimizer.pt")
     assert load_method_state(str(checkpoint), "par") == {"coef": 0.1}
@@ -294,6 +294,74 @@ def test_a_failed_write_is_one_line_naming_the_folder_and_leaves_no_partial_chec
     )
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-1"]  # kept: the rotation waits for a whole checkpoint
     assert resume_checkpoint(True, str(tmp_path), "par") == str(tmp_path / "checkpoint-1")
+
+
+def test_a_failed_first_checkpoint_does_not_advise_a_resume_with_nothing_to_resume(tmp_path):
+    """Issue 32: a full disk at a fresh run's first checkpoint advised --resume_from_checkpoint true, which then
+    failed ("no checkpoint-<step> folder")."""
+    with pytest.raises(CheckpointSaveError) as raised:
+        _save(tmp_path, 1, fail_after="optimizer.pt", error=OSError(errno.ENOSPC, "No space left on device"))
+    assert str(raised.value).endswith(
+        "then run the command again (no whole checkpoint of this run is left to resume from)."
+    )
+    assert "--resume_from_checkpoint" not in str(raised.value)
+
+
+def test_a_same_step_folder_that_cannot_be_removed_is_one_line(tmp_path, monkeypatch):
+    """Issue 32, D10: a PermissionError traceback from the removal of a same-step folder before the save."""
+    import opefo_trl.runs.checkpoint as checkpoint_module
+
+    (tmp_path / "checkpoint-1").mkdir()
+
+    def refused(path):
+        raise PermissionError(errno.EACCES, "Permission denied", path)
+
+    monkeypatch.setattr(checkpoint_module, "remove_entry", refused)
+    with pytest.raises(CheckpointSaveError) as raised:
+        _save(tmp_path, 1)
+    assert str(raised.value) == (
+        f"Cannot save the checkpoint {tmp_path / 'checkpoint-1'}: a folder of that step is there (an unfinished save, "
+        "or a step replayed after a resume) and cannot be removed (PermissionError: [Errno 13] Permission denied: "
+        f"'{tmp_path / 'checkpoint-1'}'). Make it removable, or remove it, then run the command again."
+    )
+
+
+def test_an_unreadable_checkpoint_file_is_named(run, monkeypatch):
+    """Issue 32, D10: a PermissionError traceback. (Made unreadable through ``open``: chmod does not stop root.)"""
+    import builtins
+
+    import opefo_trl.runs.checkpoint as checkpoint_module
+
+    checkpoint = run / "checkpoint-4"
+    unreadable = str(checkpoint / "optimizer.pt")
+
+    def guarded_open(path, *args, **kwargs):
+        if os.fspath(path) == unreadable:
+            raise PermissionError(errno.EACCES, "Permission denied", unreadable)
+        return builtins.open(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module, "open", guarded_open, raising=False)
+    with pytest.raises(CheckpointError) as raised:
+        check_checkpoint(str(checkpoint), "opefo")
+    assert str(raised.value).startswith(
+        f"Cannot resume from {checkpoint}: {unreadable} cannot be read (PermissionError: Permission denied). Resume "
+        f"from the previous checkpoint with --resume_from_checkpoint {run / 'checkpoint-2'}."
+    )
+
+
+def test_a_run_folder_or_a_model_folder_is_not_a_checkpoint(run, tmp_path):
+    """Issue 32: they were "the save of this checkpoint did not finish"."""
+    with pytest.raises(CheckpointError) as raised:
+        check_checkpoint(str(run), "opefo")
+    assert str(raised.value) == (
+        f"resume_from_checkpoint {run} is not a checkpoint (no checkpoint-<step> name, no trainer_state.json); it "
+        f"holds checkpoints: give one, e.g. {run / 'checkpoint-4'}, or `true` with --output_dir {run}."
+    )
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="is not a checkpoint .*; it is a model: start from its weights with"):
+        check_checkpoint(str(model), "opefo")
 
 
 def test_another_error_is_raised_as_it_is_and_leaves_no_partial_checkpoint(tmp_path):

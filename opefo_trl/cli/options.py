@@ -306,8 +306,8 @@ def parse_options(parser, argv: Sequence[str] | None = None, *, positional: str 
     ``positional`` names a list option that also takes the values given without a flag (``opefo-plot``'s runs).
 
     Raises:
-        ValueError: an unknown or misspelt recipe key or flag (with the closest option names), a value no flag takes,
-            a recipe that is not a YAML mapping, or a value a dataclass refuses.
+        ValueError: an unknown or misspelt recipe key or flag (with the closest option names), a recipe key given
+            twice, a value no flag takes, a recipe that is not a YAML mapping, or a value a dataclass refuses.
         FileNotFoundError: the recipe file does not exist.
     """
     import yaml
@@ -320,7 +320,7 @@ def parse_options(parser, argv: Sequence[str] | None = None, *, positional: str 
         recipe_values = None
         if recipe is not None:
             with open(recipe) as f:
-                recipe_values = yaml.safe_load(f)
+                recipe_values = yaml.load(f, Loader=_unique_key_loader())  # a SafeLoader
         if not isinstance(recipe_values, dict):
             recipe_values = None  # TRL refuses a recipe that is not a mapping
         command_line = [arg for i, arg in enumerate(argv) if CONFIG_FLAG not in (arg, argv[i - 1] if i else None)]
@@ -331,7 +331,33 @@ def parse_options(parser, argv: Sequence[str] | None = None, *, positional: str 
         parsed = parser.parse_args_and_config(argv, fail_with_unknown_args=True)
     except yaml.YAMLError as err:
         raise ValueError(f"Recipe file {recipe!r} is not valid YAML: {err}") from err
+    except DuplicateRecipeKey as err:
+        raise ValueError(f"Recipe file {recipe!r}: {err}") from None
     return tuple(parsed[: len(parser.dataclass_types)])  # drop the namespace holding the help-only `config`
+
+
+class DuplicateRecipeKey(ValueError):
+    """A recipe key given twice in one mapping."""
+
+
+def _unique_key_loader():
+    """yaml's SafeLoader, refusing a key given twice in one mapping (safe_load keeps the last without a word)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            first: dict = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in first:
+                    raise DuplicateRecipeKey(
+                        f"key {key!r} is given twice (lines {first[key] + 1} and {key_node.start_mark.line + 1}); "
+                        "keep one."
+                    )
+                first[key] = key_node.start_mark.line
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeyLoader
 
 
 def report_error(prog: str, err: Exception) -> int:

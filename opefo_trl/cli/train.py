@@ -12,9 +12,10 @@ Parsing is shared with `opefo-eval` (`opefo_trl.cli.options`): a misspelt or unk
 command line, is an error that names it and the closest options. Everything that can be checked without the model's
 weights is checked before they are loaded: the options (types of recipe values included), the model path, the data
 files and columns, the reward functions, the output_dir (see below), every file of the checkpoint to resume from,
-and that every prompt plus `max_completion_length` fits the model's context. Such errors, a reward function that
-fails at its first call, and a checkpoint that cannot be written (a full disk) are printed as
-`opefo-train: error: ...` with exit status 2.
+that every prompt plus `max_completion_length` fits the model's context, that the run trains at least one step, and
+that a resume has steps left and keeps the options its checkpoint would override (`opefo_trl.runs.options`). Such
+errors, a reward function that fails at its first call, and a checkpoint that cannot be written (a full disk) are
+printed as `opefo-train: error: ...` with exit status 2.
 
 The output_dir is the run's own (`opefo_trl.runs`): one run at a time holds it (a second is refused at once, naming
 the first's pid and host); the run records every top-level entry it writes in `opefo_run_manifest.json`, and
@@ -125,7 +126,9 @@ class TrainScriptArguments:
         default_factory=lambda: [DEFAULT_REWARD],
         metadata={
             "help": "Reward functions: 'math_accuracy_reward' (math-verify against the `solution` column) or "
-            "dotted import paths ('my_pkg.rewards.my_reward'). Weights: `reward_weights`."
+            "dotted import paths ('my_pkg.rewards.my_reward'). Each is called as TRL calls it, with the completions, "
+            "`solution` and the data set's other columns as keyword arguments, each function its own copy. Weights: "
+            "`reward_weights`."
         },
     )
     context_length: int | None = field(
@@ -346,6 +349,11 @@ def validate_output_dir(script_args, training_args, model_name_or_path: str | No
     )
 
     output_dir, resume = training_args.output_dir, training_args.resume_from_checkpoint
+    if os.path.islink(output_dir) and not os.path.exists(output_dir):
+        raise ValueError(
+            f"output_dir {output_dir!r} is a symbolic link to {os.readlink(output_dir)!r}, which does not exist; "
+            "create that folder, or give another --output_dir."
+        )
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ValueError(f"output_dir {output_dir!r} is a file; give a directory (it is created if missing).")
     writer = _writes_output_dir(training_args)
@@ -476,6 +484,7 @@ def build_train_dataset(script_args, training_args, model_args, tokenizer):
         check_probe_dataset(
             split_probe(dataset, script_args.probe_prompts)[1], training_args, method.needs_rollout_pass
         )
+    check_run_length(len(dataset) - script_args.probe_prompts, training_args)
     logger.info(
         "Training data: %d problems from %s (template %r); every prompt + %d completion tokens fits the context of %d.",
         len(dataset),
@@ -485,6 +494,21 @@ def build_train_dataset(script_args, training_args, model_args, tokenizer):
         context,
     )
     return dataset
+
+
+def check_run_length(num_prompts: int, training_args) -> None:
+    """Refuse a run that would train no step, or resume a checkpoint at or past its last step or with options it
+    would override (`opefo_trl.runs.options`)."""
+    from opefo_trl.runs import check_resume_options, check_steps_left, resume_checkpoint
+    from opefo_trl.trainer.checks import check_trains_some_steps
+
+    steps = check_trains_some_steps(num_prompts, training_args)
+    resume = resume_checkpoint(
+        training_args.resume_from_checkpoint, training_args.output_dir, training_args.method, warn=False
+    )
+    if resume is not None:
+        check_steps_left(resume, steps)
+        check_resume_options(resume, training_args)  # what it takes is said when training resumes
 
 
 def split_probe(dataset, probe_prompts: int) -> tuple:
@@ -513,7 +537,7 @@ def prepare_inputs(script_args, training_args, model_args) -> tuple:
 
 def _declared_names(script_args, training_args) -> list[str]:
     """What this run writes into output_dir besides its checkpoints and final model, named in its manifest before
-    it exists: the metrics files, and TensorBoard's default `runs/` folder."""
+    it exists: the metrics files, TensorBoard's default `runs/` folder, TRL's `completions/` and the model card."""
     from opefo_trl.runs import METRICS_FILE, METRICS_FILE_PER_RANK
 
     names = []
@@ -524,6 +548,10 @@ def _declared_names(script_args, training_args) -> list[str]:
     report_to = training_args.report_to or []
     if ("tensorboard" in report_to or "all" in report_to) and not os.environ.get("TENSORBOARD_LOGGING_DIR"):
         names.append("runs")
+    if training_args.log_completions:
+        names.append("completions")
+    if training_args.push_to_hub:
+        names.append("README.md")
     return names
 
 

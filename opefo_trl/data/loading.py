@@ -39,6 +39,7 @@ Examples:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Sequence
@@ -153,9 +154,59 @@ def local_file_builder(data_files: str | os.PathLike | Sequence[str | os.PathLik
                 f"{', '.join(LOCAL_FILE_BUILDERS)}."
             )
         builders.add(LOCAL_FILE_BUILDERS[extension])
+        if LOCAL_FILE_BUILDERS[extension] == "json":
+            check_json_rows(path)
     if len(builders) > 1:
         raise ValueError(f"All data files must have one format, got a mix of {sorted(builders)}: {files}.")
     return builders.pop()
+
+
+def check_json_rows(path: str) -> None:
+    r"""Refuse a JSON / JSONL data file `datasets` would fail on with a traceback, naming the first bad line: JSON lines
+    (one object per line) unless the file is one JSON document (an array of objects, or an object of columns).
+
+    >>> import tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "rows.jsonl")
+    >>> _ = open(path, "w").write('{"a": 1}\n{"a": 2,\n')
+    >>> check_json_rows(path)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: Data file '...rows.jsonl', line 2, is not a JSON object (Expecting property name ...
+    """
+    with open(path, encoding="utf-8", errors="replace") as f:
+        head = f.read(1 << 16).lstrip()
+    if head.startswith("[") or (head.startswith("{") and not _is_json_object(head.split("\n", 1)[0])):
+        try:  # one document; json.load names the line of a syntax error
+            with open(path, encoding="utf-8") as f:
+                json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(
+                f"Data file {path!r} is not valid JSON ({err}); fix it, or write one object per line."
+            ) from None
+        return
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as err:
+                reason = f"{err.msg}: column {err.colno}"
+            else:
+                if isinstance(row, dict):
+                    continue
+                reason = f"a {type(row).__name__}"
+            raise ValueError(
+                f"Data file {path!r}, line {number}, is not a JSON object ({reason}): every line of a JSON-lines file "
+                'is one row, {"column": value, ...}; fix or remove that line.'
+            )
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
 
 
 def _is_blank(path: str, chunk_size: int = 1 << 16) -> bool:
@@ -441,7 +492,8 @@ def load_math_dataset(
     deduplicate: bool | None = None,
     max_samples: int | None = None,
 ):
-    """Load a math data set as TRL conversational prompts (`prompt`) with gold answers (`solution`).
+    """Load a math data set as TRL conversational prompts (`prompt`) with gold answers (`solution`), and its other
+    columns, which TRL passes to the reward functions as keyword arguments.
 
     Args:
         name: a preset from `DATASET_PRESETS`, `"local"` (then `data_files` is required), any hub id, a local data
@@ -486,7 +538,8 @@ def load_math_dataset(
     _check_column(raw, source.answer_column, role="gold answer", option="answer_column", source=shown)
 
     top_columns = list(dict.fromkeys([source.problem_column.split(".")[0], source.answer_column.split(".")[0]]))
-    raw = raw.select_columns(top_columns)
+    extra_columns = _extra_columns(raw.column_names, top_columns, shown)
+    full, raw = raw, raw.select_columns(top_columns)
     problems = _problem_texts(_column_values(raw, source.problem_column), source.problem_column)
     if source.unwrap_dapo_instruction:
         problems = [unwrap_dapo_instruction(p) for p in problems]
@@ -496,7 +549,7 @@ def load_math_dataset(
     raw_answers = _column_values(raw, source.answer_column).to_pylist()
     extract = _ANSWER_EXTRACTORS[source.answer_format]
 
-    prompts, solutions, unanswerable = [], [], []
+    prompts, solutions, rows, unanswerable = [], [], [], []
     for i in keep:
         answer = extract(raw_answers[i])
         if answer is None or not problems[i]:
@@ -504,6 +557,7 @@ def load_math_dataset(
             continue
         prompts.append(format_prompt(problems[i], template))
         solutions.append(answer)
+        rows.append(i)
         if max_samples is not None and len(prompts) >= max_samples:
             break
     if unanswerable:
@@ -520,7 +574,32 @@ def load_math_dataset(
             f"No usable rows in {shown}: none of {len(keep)} rows has a problem and a {source.answer_format!r} "
             f"gold answer in column {source.answer_column!r}. Check `answer_column` and `answer_format`."
         )
-    return Dataset.from_dict({"prompt": prompts, "solution": solutions})
+    dataset = Dataset.from_dict({"prompt": prompts, "solution": solutions})
+    if extra_columns:  # TRL passes every column but the prompt to the reward functions, as keyword arguments
+        from datasets import concatenate_datasets
+
+        dataset = concatenate_datasets([dataset, full.select(rows).select_columns(extra_columns)], axis=1)
+    return dataset
+
+
+#: Keyword arguments TRL gives reward functions itself: a data column of one of these names would clash with it.
+REWARD_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments")
+
+
+def _extra_columns(columns: Sequence[str], used: Sequence[str], shown: str) -> list[str]:
+    """The data set's columns besides the problem and the answer, kept for the reward functions; those whose names
+    the training data or TRL's reward arguments take are dropped, with a warning naming them."""
+    taken = {"prompt", "solution", *REWARD_KWARGS}
+    extra = [c for c in columns if c not in used]
+    dropped = [c for c in extra if c in taken]
+    if dropped:
+        logger.warning(
+            "Column(s) %s of %s are not passed to the reward functions: the prompt, the gold answer (solution) and "
+            "TRL's own reward arguments take those names. Rename them to pass them.",
+            ", ".join(dropped),
+            shown,
+        )
+    return [c for c in extra if c not in taken]
 
 
 # ----------------------------------------------------------------------------------------------------------------------

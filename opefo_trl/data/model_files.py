@@ -3,7 +3,7 @@
 Shared by ``opefo-train``, ``opefo-eval`` and the demo:
 
 - Model paths: :func:`check_model_name_or_path` refuses a model that is neither a local model directory (with its
-  weights) nor a valid hub id.
+  weights and tokenizer files) nor a valid hub id.
 - Model files: :func:`weight_fingerprints` identifies the weights in a directory by content, and
   :func:`model_file_fingerprints` the files that decide how prompts are rendered and completions generated (the
   tokenizer, chat template, config and generation config); ``opefo-eval`` refuses samples drawn with other ones.
@@ -50,6 +50,7 @@ def check_model_name_or_path(name: str) -> None:
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise FileNotFoundError(f"Model directory {name!r} has no config.json; give a saved model's directory.")
         check_has_weights(path)
+        check_has_tokenizer(path)
         return
     if os.path.exists(path):
         raise ValueError(f"Model path {name!r} is a file; give the model's directory.")
@@ -110,6 +111,28 @@ def check_has_weights(directory: str | os.PathLike) -> None:
             f"{os.fspath(directory)} holds no weights (no *.safetensors, pytorch_model*.bin or shard index): it is "
             "not a whole saved model. Give a folder with its weights, e.g. a run's output_dir once training has "
             "finished, or one of its checkpoint-<step> folders."
+        )
+
+
+#: The files a tokenizer is built from: one of them must be there (the rest, tokenizer_config.json etc., refine it).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+
+
+def check_has_tokenizer(directory: str | os.PathLike) -> None:
+    """Refuse a local model directory without tokenizer files, which loading reports only after the weights.
+
+    >>> import tempfile
+    >>> check_has_tokenizer(tempfile.mkdtemp())  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    FileNotFoundError: ... has no tokenizer files (none of tokenizer.json, tokenizer.model, ...
+    """
+    if not any(os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"Model directory {os.fspath(directory)} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): "
+            "it is not a whole saved model (a run stopped while moving its final model leaves one like this). Give "
+            "a folder with its tokenizer, e.g. the run's last checkpoint-<step> folder, or copy the base model's "
+            "tokenizer files into it."
         )
 
 

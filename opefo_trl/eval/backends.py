@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from opefo_trl.data.model_files import (
+    check_has_tokenizer,
     check_has_weights,
     looks_like_local_path,
     model_file_fingerprints,
@@ -92,9 +93,13 @@ def resolve_model_source(model_name_or_path: str, base_model_name_or_path: str |
             if os.path.isdir(base_path):
                 check_has_weights(base_path)
             has_tokenizer = os.path.isfile(os.path.join(path, "tokenizer_config.json"))
-            return ModelSource(base_path, adapter_path=path, tokenizer_path=path if has_tokenizer else base_path)
+            tokenizer_path = path if has_tokenizer else base_path
+            if os.path.isdir(tokenizer_path):
+                check_has_tokenizer(tokenizer_path)
+            return ModelSource(base_path, adapter_path=path, tokenizer_path=tokenizer_path)
         if os.path.isfile(os.path.join(path, "config.json")):
             check_has_weights(path)
+            check_has_tokenizer(path)
             return ModelSource(path, tokenizer_path=path)
         raise FileNotFoundError(f"{path} holds neither a model (config.json) nor a PEFT adapter (adapter_config.json).")
     if os.path.exists(path) or looks_like_local_path(model_name_or_path):

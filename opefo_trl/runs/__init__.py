@@ -5,6 +5,7 @@ whole or not checkpoints at all.
 - :mod:`opefo_trl.runs.checkpoint`: whole checkpoints (:func:`saving_checkpoint`, :func:`check_checkpoint`,
   :func:`resume_checkpoint`) and the token method's state in them;
 - :mod:`opefo_trl.runs.metrics`: the metrics files (:func:`read_metrics_lines`);
+- :mod:`opefo_trl.runs.options`: the options a checkpoint was trained with, and a resume with others;
 - :mod:`opefo_trl.runs.files`: the names, errors and file helpers they share.
 
 Example:
@@ -15,6 +16,8 @@ Example:
 
 from opefo_trl.runs.checkpoint import (
     check_checkpoint,
+    check_steps_left,
+    checkpoint_step,
     checkpoints,
     load_method_state,
     mark_checkpoint_complete,
@@ -34,6 +37,7 @@ from opefo_trl.runs.files import (
     METHOD_STATE_NAME,
     METRICS_FILE,
     METRICS_FILE_PER_RANK,
+    RUN_OPTIONS_NAME,
     SET_ASIDE_DIR,
     TRAINER_STATE_NAME,
     CheckpointError,
@@ -56,6 +60,7 @@ from opefo_trl.runs.folder import (
     write_manifest,
 )
 from opefo_trl.runs.metrics import metrics_files, read_metrics_lines
+from opefo_trl.runs.options import check_resume_options
 
 __all__ = [
     "CHECKPOINT_MARKER",
@@ -66,6 +71,7 @@ __all__ = [
     "METHOD_STATE_NAME",
     "METRICS_FILE",
     "METRICS_FILE_PER_RANK",
+    "RUN_OPTIONS_NAME",
     "SET_ASIDE_DIR",
     "TRAINER_STATE_NAME",
     "CheckpointError",
@@ -77,6 +83,9 @@ __all__ = [
     "RunLock",
     "busy_message",
     "check_checkpoint",
+    "check_resume_options",
+    "check_steps_left",
+    "checkpoint_step",
     "checkpoints",
     "foreign_entries",
     "interrupted_run",

@@ -42,6 +42,7 @@ from opefo_trl.runs.files import (
     remove_entry,
     write_json_atomically,
 )
+from opefo_trl.runs.options import save_run_options
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,11 @@ def _safetensors_problem(path: str) -> str | None:
 def _file_problem(path: str, method_state_name: str, saved_size: int | None) -> str | None:
     """Why a checkpoint file cannot be loaded, read without loading any tensor; None if it looks whole."""
     name = os.path.basename(path)
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as err:  # unreadable (permissions, an I/O error): loading it would fail after the model loaded
+        return f"cannot be read ({type(err).__name__}: {err.strerror or err})"
     size = os.path.getsize(path)
     known = name.endswith((".safetensors", ".json")) or TORCH_SAVE_RE.search(name)
     if known and size == 0 and saved_size != 0:
@@ -205,6 +211,25 @@ def method_is_stateful(method: str) -> bool:
     return cls.state_dict is not TokenMethod.state_dict
 
 
+def _refuse_non_checkpoint(folder: str) -> None:
+    """A folder that is not a ``checkpoint-<step>`` folder and has no trainer state: a run folder, a model."""
+    if CHECKPOINT_RE.match(os.path.basename(os.path.normpath(folder))) or os.path.exists(
+        os.path.join(folder, TRAINER_STATE_NAME)
+    ):
+        return
+    inside = checkpoints(folder)
+    if inside:
+        hint = f"it holds checkpoints: give one, e.g. {inside[-1][1]}, or `true` with --output_dir {folder}"
+    elif os.path.isfile(os.path.join(folder, "config.json")):
+        hint = "it is a model: start from its weights with --model_name_or_path, without resume_from_checkpoint"
+    else:
+        hint = "give a checkpoint-<step> folder of a run"
+    raise CheckpointError(
+        f"resume_from_checkpoint {folder} is not a checkpoint (no checkpoint-<step> name, no {TRAINER_STATE_NAME}); "
+        f"{hint}."
+    )
+
+
 def check_checkpoint(checkpoint: str, method: str | None = None) -> None:
     """Refuse a checkpoint that ``Trainer`` could not resume from, before any weights load.
 
@@ -216,6 +241,7 @@ def check_checkpoint(checkpoint: str, method: str | None = None) -> None:
     Raises:
         CheckpointError: naming the file, what is wrong with it, and the previous checkpoint that is whole.
     """
+    _refuse_non_checkpoint(checkpoint)
     problem = _first_problem(checkpoint)
     if problem is not None:
         path, reason = problem
@@ -287,6 +313,25 @@ def resume_checkpoint(
     return resume
 
 
+def checkpoint_step(checkpoint: str) -> int:
+    """The optimizer step a checkpoint was saved at (its ``trainer_state.json``'s ``global_step``)."""
+    with open(os.path.join(checkpoint, TRAINER_STATE_NAME)) as f:
+        return int(json.load(f)["global_step"])
+
+
+def check_steps_left(checkpoint: str, planned_steps: int) -> None:
+    """Refuse to resume ``checkpoint`` when it is already at or past the ``planned_steps`` of this run: transformers'
+    Trainer would train one more step and save its model over the finished run's final model."""
+    step = checkpoint_step(checkpoint)
+    if step >= planned_steps:
+        raise CheckpointError(
+            f"Nothing to resume: {checkpoint} is at step {step}, and this run trains {planned_steps} step(s) "
+            "(max_steps, or num_train_epochs over the data), so it has finished; its final model is left as it is (if "
+            f"a run was stopped while saving it, {checkpoint} holds the same weights). To train further, raise "
+            "max_steps or num_train_epochs."
+        )
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 
 
@@ -316,9 +361,15 @@ def reported_write_errors(folder: str, what: str, writer: bool = True) -> Iterat
         if disk_full and not isinstance(err, OSError):
             cause = f"the disk is full ({free} bytes free; {cause})"
         gone = "was removed" if not os.path.exists(folder) else "has no completion marker, so it is never resumed"
+        whole = [path for _, path in checkpoints(os.path.dirname(os.path.normpath(folder))) if path != folder]
+        then = (
+            "resume from the last whole checkpoint with --resume_from_checkpoint true"
+            if any(_first_problem(path) is None for path in whole)
+            else "run the command again (no whole checkpoint of this run is left to resume from)"
+        )
         raise CheckpointSaveError(
             f"Cannot save the {what} {folder}: {cause}. The unfinished {what} {gone}. Free space on that disk (or make "
-            "the folder writable), then resume from the last whole checkpoint with --resume_from_checkpoint true."
+            f"the folder writable), then {then}."
         ) from err
 
 
@@ -342,7 +393,14 @@ def saving_checkpoint(
     folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
     writer, limit = args.should_save, args.save_total_limit
     if writer and os.path.lexists(folder):
-        remove_entry(folder)
+        try:
+            remove_entry(folder)
+        except OSError as err:
+            raise CheckpointSaveError(
+                f"Cannot save the checkpoint {folder}: a folder of that step is there (an unfinished save, or a step "
+                f"replayed after a resume) and cannot be removed ({type(err).__name__}: {err}). Make it removable, or "
+                "remove it, then run the command again."
+            ) from err
     wait_for_everyone()  # removed before any process writes into it
     args.save_total_limit = None
     try:
@@ -351,6 +409,7 @@ def saving_checkpoint(
             wait_for_everyone()
             if writer:
                 save_method_state(folder, *method_state())
+                save_run_options(folder, args)
                 mark_checkpoint_complete(folder)
     finally:
         args.save_total_limit = limit

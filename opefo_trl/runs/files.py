@@ -17,6 +17,8 @@ METRICS_FILE_PER_RANK = "metrics.rank{rank}.jsonl"
 TRAINER_STATE_NAME = "trainer_state.json"
 #: The token method's state in a checkpoint (`OPEFOTrainer`), e.g. PAR's coefficient.
 METHOD_STATE_NAME = "opefo_method_state.json"
+#: The options a checkpoint was trained with, compared on resume (``opefo_trl.runs.options``).
+RUN_OPTIONS_NAME = "opefo_run_options.json"
 #: Written last into a checkpoint, once every other file is on disk: ``{"step": N, "files": {path: size}}``.
 CHECKPOINT_MARKER = "opefo_checkpoint_complete.json"
 #: The top-level entries of an output_dir that runs of `opefo-train` wrote there: ``{"entries": [name, ...]}``.

@@ -337,7 +337,6 @@ class RunFolder:
         self.set_aside: list[str] = []
         self.restored: list[str] = []
         self._created = False
-        self._not_ours: set[str] = set()
 
     def open(self, check: Callable[[], None] | None = None) -> RunFolder:
         """Lock the folder; undo what a killed run left half done; ``check`` it (e.g. validate it again, now that
@@ -350,8 +349,6 @@ class RunFolder:
                 check()
             if self.overwrite and read_manifest(self.output_dir) is not None:
                 self.set_aside = _set_aside(self.output_dir)
-            ours = set(read_manifest(self.output_dir) or []) | {MANIFEST_NAME}
-            self._not_ours = set(os.listdir(self.output_dir)) - ours  # eval folders, hidden files: never touched
             record_in_manifest(self.output_dir, self.declared)
         except BaseException:
             self.close(failed=True)
@@ -360,12 +357,16 @@ class RunFolder:
 
     def declare(self, names: Iterable[str]) -> None:
         """Record ``names`` in the manifest before they are written."""
+        names = list(names)
+        self.declared += [n for n in names if n not in self.declared]
         record_in_manifest(self.output_dir, names)
 
     def _refresh(self) -> None:
-        """The manifest as the folder is: what exists of it, what is declared, and whatever else the run wrote."""
-        present = {n for n in os.listdir(self.output_dir) if not n.startswith(".")} - self._not_ours
-        write_manifest(self.output_dir, (present - {MANIFEST_NAME}) | set(self.declared))
+        """The manifest as the folder is: what it lists that still exists (a rotated checkpoint is gone), and what
+        this run declared. Never what else appeared in the folder meanwhile (an opefo-eval store, a user's notes):
+        only what the manifest lists is ever deleted."""
+        listed = {n for n in read_manifest(self.output_dir) or [] if os.path.lexists(os.path.join(self.output_dir, n))}
+        write_manifest(self.output_dir, listed | set(self.declared))
 
     def saved(self) -> None:
         """A checkpoint or the final model is whole: the earlier run set aside is deleted now."""
@@ -379,7 +380,8 @@ class RunFolder:
         """Move the files of a model saved into ``staging`` into output_dir, each named in the manifest before it
         lands there; returns their names."""
         names = sorted(os.listdir(staging))
-        clashes = sorted(set(names) & self._not_ours)
+        ours = set(read_manifest(self.output_dir) or []) | set(self.declared)
+        clashes = sorted(n for n in set(names) - ours if os.path.lexists(os.path.join(self.output_dir, n)))
         if clashes:
             raise RunFolderError(
                 f"The final model has {', '.join(clashes)}, which {self.output_dir} already holds and no run of ours "

@@ -6,7 +6,8 @@
 - :func:`check_vllm_setup`: vLLM options the machine at hand cannot run (sleep mode or server mode's weight transfer
   without a CUDA GPU, an attention head size vLLM's CPU backend refuses), refused before the model loads.
 - :class:`RewardCheck`: what reward functions return, checked on every call. A function that raises, returns
-  something other than one number (or None) per completion, or a reward that is inf or NaN stops training with an
+  something other than one number (or None) per completion, or a reward that is inf, NaN or too large for TRL's
+  float32 group statistics (:func:`largest_reward`) stops training with an
   error that names the function and the first bad value, on every process at once (a reward computed on one process
   only would leave the others waiting in the gather that follows).
 
@@ -19,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import numbers
@@ -68,6 +70,10 @@ def check_training_values(args) -> None:
         f"{option}: must be a finite number (every number option is, not inf or nan)"
         for option in non_finite_options(args)
     ]
+    for option in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+        value = getattr(args, option, 1)
+        if value < 1:
+            problems.append(f"{option}={value}: must be at least 1")
     if args.learning_rate < 0:
         problems.append(f"learning_rate={args.learning_rate}: the learning rate must be >= 0 (e.g. 1e-6)")
     if args.max_completion_length is not None and args.max_completion_length < 1:
@@ -150,6 +156,53 @@ def _vllm_head_size_problems(model: Any) -> list[str]:
     ]
 
 
+def steps_per_epoch(num_prompts: int, args) -> int:
+    """Optimizer steps in one epoch over ``num_prompts`` prompts, as TRL's sampler and transformers' Trainer count
+    them (0: the data fills no generation batch, which TRL's ``RepeatSampler`` drops whole).
+
+    Each generation batch takes ``generation_batch_size / num_generations`` distinct prompts (an incomplete last one is
+    dropped), is used ``num_iterations`` times and split into ``steps_per_generation`` micro-batches; an optimizer step
+    takes ``gradient_accumulation_steps`` of them, the last of an epoch fewer.
+
+    >>> from types import SimpleNamespace
+    >>> args = SimpleNamespace(generation_batch_size=8, num_generations=2, num_iterations=1, steps_per_generation=2,
+    ...                        gradient_accumulation_steps=2)
+    >>> steps_per_epoch(16, args), steps_per_epoch(3, args)
+    (4, 0)
+    """
+    generations = num_prompts // (args.generation_batch_size // args.num_generations)
+    micro_batches = generations * args.num_iterations * args.steps_per_generation
+    return math.ceil(micro_batches / args.gradient_accumulation_steps)
+
+
+def planned_steps(num_prompts: int, args) -> int:
+    """The optimizer steps a run trains from step 0: ``max_steps`` when set (> 0), else ``num_train_epochs`` epochs,
+    as transformers' Trainer rounds them (up); 0 when one epoch has none."""
+    per_epoch = steps_per_epoch(num_prompts, args)
+    if per_epoch == 0:
+        return 0
+    return args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
+
+
+def check_trains_some_steps(num_prompts: int, args) -> int:
+    """Refuse a run that would train no step, naming why; returns its planned steps (:func:`planned_steps`)."""
+    prompts_per_generation = args.generation_batch_size // args.num_generations
+    if steps_per_epoch(num_prompts, args) == 0:
+        raise ValueError(
+            f"The training data has {num_prompts} problem(s), fewer than one generation batch takes "
+            f"({prompts_per_generation}: generation_batch_size {args.generation_batch_size} / num_generations "
+            f"{args.num_generations}); TRL drops an incomplete generation batch, so this run would train 0 steps. "
+            "Give more data, or a smaller per_device_train_batch_size / steps_per_generation."
+        )
+    steps = planned_steps(num_prompts, args)
+    if steps <= 0:
+        raise ValueError(
+            f"num_train_epochs={args.num_train_epochs} with max_steps={args.max_steps} trains 0 steps; give "
+            "num_train_epochs > 0 or max_steps > 0."
+        )
+    return steps
+
+
 class RewardFunctionError(ValueError):
     """A reward function raised or returned something that is not one finite number (or None) per completion."""
 
@@ -189,14 +242,55 @@ def reward_problem(name: str, rewards: Any, expected: int) -> str | None:
             f"{expected} ({len(bad)} such value(s) in this batch); rewards must be numbers (int or float), or None "
             "to leave a completion out. Convert them in the function, e.g. `float(score)`."
         )
-    non_finite = [i for i, v in enumerate(values) if v is not None and not math.isfinite(float(v))]
+    non_finite = [i for i, v in enumerate(values) if v is not None and not _fits_float(v)]
     if non_finite:
         return (
-            f"Reward function {name!r} returned {float(values[non_finite[0]])} for {len(non_finite)} of {expected} "
+            f"Reward function {name!r} returned {_shown(values[non_finite[0]])} for {len(non_finite)} of {expected} "
             f"completions (first: completion {non_finite[0]}); a non-finite reward (inf or NaN) makes its group's "
             "advantages NaN, then 0, and trains nothing. Return a finite number, or None to leave a completion out."
         )
+    limit = largest_reward(expected)
+    too_large = [i for i, v in enumerate(values) if v is not None and abs(float(v)) > limit]
+    if too_large:
+        return (
+            f"Reward function {name!r} returned {_shown(values[too_large[0]])} for {len(too_large)} of {expected} "
+            f"completions (first: completion {too_large[0]}); TRL holds rewards in float32 and sums them for each "
+            f"group's mean and standard deviation, which overflow to inf above |reward| = {limit:.3g} (then every "
+            "advantage is 0 and nothing trains). Scale the rewards down, e.g. into [0, 1]."
+        )
     return None
+
+
+def largest_reward(num_completions: int) -> float:
+    """The largest |reward| whose sums over ``num_completions`` completions, and deviations from their mean (up to
+    twice it), stay below float32's largest number: TRL's group means and standard deviations are then finite."""
+    import torch
+
+    return torch.finfo(torch.float32).max / (2 * max(num_completions, 1))
+
+
+def _fits_float(value: Any) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an int beyond float's range (10**400)
+        return False
+
+
+def _shown(value: Any) -> str:
+    try:
+        return repr(float(value))
+    except OverflowError:
+        return f"an integer of {len(str(abs(int(value))))} digits"
+
+
+#: What TRL gives every reward function as it is: the trainer's state and its logging hooks, not data.
+SHARED_REWARD_KWARGS = frozenset({"trainer_state", "log_extra", "log_metric", "environments"})
+
+
+def own_copy(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A reward function's own copy of its inputs (prompts, completions, the data columns): TRL hands every function
+    the same lists, so one that changes them would change what the next one is given."""
+    return {key: value if key in SHARED_REWARD_KWARGS else copy.deepcopy(value) for key, value in kwargs.items()}
 
 
 def _where(err: BaseException) -> str:
@@ -239,7 +333,7 @@ class RewardCheck:
         finally:
             trainer.reward_funcs = funcs
 
-    def _result(self, name: str, rewards: Any, raised: Exception | None) -> Any:
+    def _result(self, name: str, rewards: Any, raised: BaseException | None) -> Any:
         """The rewards if they are fine; else zeros, keeping the first failure."""
         failure: RewardFunctionError | None
         if raised is not None:
@@ -266,8 +360,8 @@ class RewardCheck:
                 if self.error is not None:
                     return [0.0] * self.num_completions
                 try:
-                    rewards = await func(*args, **kwargs)
-                except Exception as err:  # user code: any exception, reported with where it was raised
+                    rewards = await func(*args, **own_copy(kwargs))
+                except (Exception, SystemExit) as err:  # user code: reported with where it was raised
                     return self._result(name, None, err)
                 return self._result(name, rewards, None)
 
@@ -277,8 +371,8 @@ class RewardCheck:
             if self.error is not None:
                 return [0.0] * self.num_completions
             try:
-                rewards = func(*args, **kwargs)
-            except Exception as err:  # user code: any exception, reported with where it was raised
+                rewards = func(*args, **own_copy(kwargs))
+            except (Exception, SystemExit) as err:  # user code, sys.exit() included: named, not a bare exit
                 return self._result(name, None, err)
             return self._result(name, rewards, None)
 

@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 
 import torch
@@ -44,13 +45,20 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.trainer.utils import get_config_model_id  # noqa: E402
 
 from opefo_trl.methods import TokenMethod, get_token_method_class  # noqa: E402
-from opefo_trl.runs import load_method_state, resume_checkpoint, saving_checkpoint  # noqa: E402
+from opefo_trl.runs import (  # noqa: E402
+    check_resume_options,
+    load_method_state,
+    resume_checkpoint,
+    saving_checkpoint,
+)
 from opefo_trl.trainer import model_setup  # noqa: E402
 from opefo_trl.trainer.checks import check_training_values, check_vllm_setup  # noqa: E402
 from opefo_trl.trainer.config import OPEFOConfig, with_opefo_settings  # noqa: E402
 from opefo_trl.trainer.parts import TrainerAccess, build_parts  # noqa: E402
 from opefo_trl.trainer.probe import check_probe_dataset  # noqa: E402
 from opefo_trl.trainer.sampler import EpochSeededSampler  # noqa: E402
+
+logger = logging.getLogger(__name__)
 
 
 class OPEFOTrainer(GRPOTrainer):
@@ -150,6 +158,9 @@ class OPEFOTrainer(GRPOTrainer):
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """`Trainer.train`; `resume_from_checkpoint=True` resumes the last *whole* checkpoint of output_dir."""
         checkpoint = resume_checkpoint(resume_from_checkpoint, self.args.output_dir, self.args.method)
+        if checkpoint is not None:
+            for change in check_resume_options(checkpoint, self.args):  # refuses what the checkpoint would override
+                logger.warning(change)
         return super().train(checkpoint, *args, **kwargs)
 
     def _save_checkpoint(self, model, trial):

@@ -60,6 +60,20 @@ def test_cli_refuses_an_empty_benchmark_file_and_an_output_dir_that_is_a_file(ti
     assert sorted(os.listdir(tmp_path)) == ["empty.jsonl", "out.txt"]
 
 
+def test_cli_names_a_model_folder_without_tokenizer_files(tiny_model_path, bench_file, tmp_path, capsys):
+    """Issue 32, D8: an IndexError after the model loaded."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model, ignore=shutil.ignore_patterns("tokenizer*", "vocab*", "merges*"))
+    argv = ["--model_name_or_path", str(model), "--benchmarks", bench_file, "--output_dir", str(tmp_path / "eval")]
+    assert main([*argv, "--backend", "transformers", "--no_progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"opefo-eval: error: Model directory {model} has no tokenizer files")
+    assert "Traceback" not in err
+    assert not (tmp_path / "eval").exists()
+
+
 def test_cli_names_a_model_folder_without_weights(tiny_model_path, bench_file, tmp_path, capsys):
     import shutil
 

@@ -198,7 +198,9 @@ def test_non_mapping_recipe_is_a_clear_error(tmp_path):
 
 def test_missing_dataset_column_fails_before_model_loading(tiny_model_path, tmp_path, no_model_loading, capsys):
     data_file = tmp_path / "q.jsonl"
-    data_file.write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
+    data_file.write_text(
+        "".join(json.dumps({"question": f"What is 1 + {i}?", "answer": str(i + 1)}) + "\n" for i in range(4))
+    )
     argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, str(data_file), str(tmp_path / "out"))]
     assert main(argv) == 2
     message = capsys.readouterr().err
@@ -240,6 +242,10 @@ def test_prompt_longer_than_context_fails_before_model_loading(
         (["--learning_rate", "-1"], ValueError, "learning_rate=-1.0: the learning rate must be >= 0 (e.g. 1e-6)"),
         (["--max_completion_length", "0"], ValueError, "max_completion_length=0: completions need at least 1 token"),
         (["--temperature", "0"], ValueError, "temperature=0.0: GRPO samples completions and scores"),
+        # D9: a ZeroDivisionError / "maxlen must be non-negative" traceback after loading
+        (["--gradient_accumulation_steps", "0"], ValueError, "gradient_accumulation_steps=0: must be at least 1."),
+        (["--gradient_accumulation_steps", "-1"], ValueError, "gradient_accumulation_steps=-1: must be at least 1."),
+        (["--per_device_train_batch_size", "0"], ValueError, "per_device_train_batch_size=0: must be at least 1."),
         # Non-finite numbers: before, lr inf trained a non-finite model with exit 0, nan and temperature nan crashed.
         (["--learning_rate", "inf"], ValueError, "learning_rate=inf: must be a finite number"),
         (["--learning_rate", "nan"], ValueError, "learning_rate=nan: must be a finite number"),
@@ -275,6 +281,76 @@ def test_a_model_folder_without_weights_is_named_before_loading(
     err = capsys.readouterr().err
     assert err.startswith("opefo-train: error: ") and "Traceback" not in err
     assert f"{weightless} holds no weights (no *.safetensors, pytorch_model*.bin or shard index)" in err
+
+
+def test_a_model_folder_without_tokenizer_files_is_named_before_loading(
+    tiny_model_path, problems_file, tmp_path, no_model_loading, capsys
+):
+    """D8: what a kill -9 while moving the final model leaves (config and weights, no tokenizer) was an IndexError
+    after the model loaded."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model, ignore=shutil.ignore_patterns("tokenizer*", "vocab*", "merges*"))
+    argv = ["--config", RECIPE, *_cpu_overrides(str(model), problems_file, str(tmp_path / "out"))]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"opefo-train: error: Model directory {model} has no tokenizer files (none of tokenizer.json")
+    assert "Traceback" not in err
+
+
+def test_a_malformed_line_in_the_training_data_is_named_before_loading(
+    tiny_model_path, problems_file, tmp_path, no_model_loading, capsys
+):
+    """D11: a `datasets` traceback (a JSON parse error deep in its json builder)."""
+    data = tmp_path / "problems.jsonl"
+    lines = open(problems_file).readlines()
+    data.write_text("".join(lines[:2]) + '{"prompt": "What is 1 + 1?", "solution": "2"\n' + "".join(lines[2:]))
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, str(data), str(tmp_path / "out"))]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"opefo-train: error: Data file '{data}', line 3, is not a JSON object (Expecting ',' delimiter: column 45)"
+    )
+    assert "fix or remove that line" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_dangling_symlink_output_dir_and_a_duplicate_recipe_key_are_one_line(
+    tiny_model_path, problems_file, tmp_path, no_model_loading, capsys
+):
+    """Issue 32: "[Errno 17] File exists" for the link; the last of two values taken without a word for the key."""
+    link = tmp_path / "runs"
+    link.symlink_to(tmp_path / "gone")
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(link))]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"opefo-train: error: output_dir '{link}' is a symbolic link to '{tmp_path / 'gone'}', which does not exist; "
+        "create that folder, or give another --output_dir.\n"
+    )
+    recipe = tmp_path / "twice.yaml"
+    lines = open(RECIPE).read().splitlines()
+    recipe.write_text("\n".join([*lines, "learning_rate: 1.0e-5"]) + "\n")
+    first = next(i for i, line in enumerate(lines, 1) if line.startswith("learning_rate:"))
+    argv = ["--config", str(recipe), *_cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "out"))]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"opefo-train: error: Recipe file '{recipe}': key 'learning_rate' is given twice (lines {first} and "
+        f"{len(lines) + 1}); keep one.\n"
+    )
+
+
+def test_resume_from_a_run_folder_is_not_a_checkpoint(
+    tiny_model_path, problems_file, tmp_path, write_checkpoint, no_model_loading, capsys
+):
+    """Issue 32: "the save of this checkpoint did not finish" for a folder that is no checkpoint at all."""
+    out = tmp_path / "out"
+    write_checkpoint(out, 2)
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "new"))]
+    for folder in (out, tiny_model_path):
+        assert main([*argv, "--resume_from_checkpoint", str(folder)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"opefo-train: error: resume_from_checkpoint {folder} is not a checkpoint")
+    assert "it is a model: start from its weights with --model_name_or_path" in err
 
 
 def test_missing_model_is_a_clear_error(problems_file, tmp_path):
@@ -444,7 +520,7 @@ def test_an_earlier_run_is_refused_unless_resumed_or_overwritten(
     assert f"overwrite_output_dir would delete the checkpoint {earlier_run / 'checkpoint-3'}" in capsys.readouterr().err
     assert snapshot(tmp_path) == before
     # Resuming it, or overwriting it, passes the checks (and reaches model loading, which the fixture refuses).
-    for accepted in (["--resume_from_checkpoint", "true"], ["--overwrite_output_dir", "true"]):
+    for accepted in (["--resume_from_checkpoint", "true", "--max_steps", "4"], ["--overwrite_output_dir", "true"]):
         with pytest.raises(no_model_loading):
             main(argv + accepted)
     assert snapshot(tmp_path) == before  # an overwrite that fails before its first checkpoint moves everything back
@@ -485,6 +561,20 @@ def nan_reward(completions, **kwargs):
 
 def dict_reward(completions, **kwargs):
     return {"accuracy": 1.0, "format": 0.0}
+
+
+def huge_reward(completions, **kwargs):
+    return [1e300 if i % 2 else 0.0 for i in range(len(completions))]
+
+
+def overflowing_reward(completions, **kwargs):
+    return [10**400 if i % 2 else 0 for i in range(len(completions))]
+
+
+def exiting_reward(completions, **kwargs):
+    import sys
+
+    sys.exit(3)
 """
 
 
@@ -597,7 +687,7 @@ def test_a_broken_checkpoint_is_named_before_loading_with_the_one_to_try(
     # The named fix passes the checks, and so does `true`, which takes the last whole checkpoint: checkpoint-2.
     for resume in (str(earlier_run / "checkpoint-2"), "true"):
         with pytest.raises(no_model_loading):
-            main(argv + ["--resume_from_checkpoint", resume])
+            main(argv + ["--resume_from_checkpoint", resume, "--max_steps", "4"])
     assert snapshot(tmp_path) == before
 
 
@@ -642,9 +732,10 @@ def test_an_output_dir_that_is_a_file_and_an_empty_data_file(
 )
 def test_recipe_values_of_the_wrong_type_are_refused(line, message, tiny_model_path, problems_file, tmp_path, capsys):
     recipe = tmp_path / "typed.yaml"
-    recipe.write_text(open(RECIPE).read() + f"\n{line}\n")
-    overrides = [a for a in _cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "out")) if a]
     key = line.split(":")[0]
+    kept = [entry for entry in open(RECIPE).read().splitlines() if not entry.startswith(f"{key}:")]
+    recipe.write_text("\n".join([*kept, line]) + "\n")
+    overrides = [a for a in _cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "out")) if a]
     i = overrides.index(f"--{key}")
     argv = ["--config", str(recipe), *overrides[:i], *overrides[i + 2 :]]  # the recipe's value, not the flag's
     assert main(argv) == 2
@@ -687,6 +778,11 @@ def test_a_reward_returning_strings_stops_at_its_first_call_without_a_traceback(
         # half NaN: would train at loss 0, grad-norm 0
         ("nan_reward", "returned nan for 4 of 8 completions (first: completion 1); a non-finite reward"),
         ("dict_reward", "returned {'accuracy': 1.0, 'format': 0.0} (a dict); it must return a list"),
+        # D12: reward_std inf (loss 0, nothing trained, exit 0), and an OverflowError traceback
+        ("huge_reward", "returned 1e+300 for 4 of 8 completions (first: completion 1); TRL holds rewards in float32"),
+        ("overflowing_reward", "returned an integer of 401 digits for 4 of 8 completions (first: completion 1)"),
+        # D14: exit 3 with no message
+        ("exiting_reward", "raised SystemExit: 3 at "),
     ],
 )
 def test_a_reward_returning_nan_or_a_dict_stops_at_its_first_call(
@@ -1009,7 +1105,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_no_partial_check
     assert [line for line in err.splitlines() if "error" in line.lower()] == [
         f"opefo-train: error: Cannot save the checkpoint {checkpoint}: OSError: [Errno 28] No space left on device: "
         f"'{checkpoint / 'optimizer.pt'}'. The unfinished checkpoint was removed. Free space on that disk (or make the "
-        "folder writable), then resume from the last whole checkpoint with --resume_from_checkpoint true."
+        "folder writable), then run the command again (no whole checkpoint of this run is left to resume from)."
     ]
     assert "Traceback" not in err
     assert snapshot(tmp_path) == before
@@ -1084,3 +1180,237 @@ def test_a_probe_without_effect_or_data_is_refused_before_loading(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("opefo-train: error: ") and message in err and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Issue 32: nothing deleted that the run did not write, no resume that silently changes the run, one line per mistake
+# ----------------------------------------------------------------------------------------------------------------------
+
+NEIGHBOUR_MODULE = '''
+import json, os
+
+
+def writes_beside_the_run(completions, **kwargs):
+    """While the run trains, files appear in its output_dir that it did not write: an opefo-eval store, a user's
+    notes, a folder."""
+    out = os.environ["OPEFO_RUN_DIR"]
+    if not os.path.exists(os.path.join(out, "eval_ck1")):
+        os.makedirs(os.path.join(out, "eval_ck1"))
+        with open(os.path.join(out, "eval_ck1", "samples.jsonl"), "w") as f:
+            f.write(json.dumps({"sample": 1}) + "\\n")
+        with open(os.path.join(out, "eval_ck1", "run_config.json"), "w") as f:
+            json.dump({"temperature": 1.0}, f)
+        with open(os.path.join(out, "notes.txt"), "w") as f:
+            f.write("mine")
+        os.makedirs(os.path.join(out, "my_folder"))
+        with open(os.path.join(out, "my_folder", "data.txt"), "w") as f:
+            f.write("mine too")
+    return [float(len(c[-1]["content"]) % 3) for c in completions]
+'''
+
+
+def test_files_that_appear_beside_a_run_are_not_its_own_and_an_overwrite_keeps_them(
+    tiny_model_path, problems_file, tmp_path, monkeypatch, capsys, snapshot
+):
+    """D1: the manifest lists what the run wrote, never what appeared in its folder while it ran; an overwrite is
+    refused while the user's files are there (naming them), and once they are moved out deletes the run's files only:
+    the opefo-eval store written meanwhile is kept."""
+    (tmp_path / "opefo_cli_neighbour_rewards.py").write_text(NEIGHBOUR_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "out"
+    monkeypatch.setenv("OPEFO_RUN_DIR", str(out))
+    argv = [
+        "--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(out), max_steps=2, save_steps=1),
+        "--reward_funcs", "opefo_cli_neighbour_rewards.writes_beside_the_run",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    __import__("sys").modules.pop("opefo_cli_neighbour_rewards", None)
+    listed = json.loads((out / MANIFEST_NAME).read_text())["entries"]
+    assert {"checkpoint-1", "checkpoint-2", "metrics.jsonl", "model.safetensors"} <= set(listed)
+    assert not {"notes.txt", "my_folder", "eval_ck1"} & set(listed)
+    kept = {k: v for k, v in snapshot(out).items() if k.startswith(("notes.txt", "my_folder", "eval_ck1"))}
+    assert len(kept) == 4
+
+    overwrite = [*argv, "--overwrite_output_dir", "true"]
+    before = snapshot(tmp_path)
+    assert main(overwrite) == 2
+    err = capsys.readouterr().err
+    assert f"output_dir '{out}' holds files that no run of opefo-train wrote" in err
+    assert "my_folder, notes.txt" in err and snapshot(tmp_path) == before
+    shutil.move(out / "notes.txt", tmp_path / "notes.txt")
+    shutil.move(out / "my_folder", tmp_path / "my_folder")
+    assert main([*overwrite, "--max_steps", "1"]) == 0
+    after = snapshot(out)
+    assert {k: v for k, v in after.items() if k.startswith("eval_ck1")} == {
+        k: v for k, v in kept.items() if k.startswith("eval_ck1")
+    }
+    assert not (out / "checkpoint-2").exists() and (out / "checkpoint-1").exists()
+
+
+@pytest.mark.parametrize(
+    "rows, extra, message",
+    [
+        (
+            3,
+            [],
+            "The training data has 3 problem(s), fewer than one generation batch takes (4: "
+            "generation_batch_size 8 / num_generations 2); TRL drops an incomplete generation batch, so this run would "
+            "train 0 steps.",
+        ),  # fmt: skip
+        (16, ["--max_steps", "-1", "--num_train_epochs", "0"], "num_train_epochs=0.0 with max_steps=-1 trains 0 steps"),
+    ],
+)
+def test_a_run_that_would_train_no_step_is_refused_before_loading(
+    rows, extra, message, tiny_model_path, problems_file, tmp_path, no_model_loading, capsys
+):
+    """D5: not 0 steps, exit 0 and the untrained model saved as the final model."""
+    data = tmp_path / "few.jsonl"
+    data.write_text("".join(open(problems_file).readlines()[:rows]))
+    out = tmp_path / "out"
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, str(data), str(out)), *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"opefo-train: error: {message}" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+KILLED_FINAL_SAVE = """
+import os, signal, sys
+
+from opefo_trl.runs import RunFolder
+
+original = RunFolder.declare
+
+
+def killed_while_moving_the_final_model(self, names):
+    original(self, names)
+    if "model.safetensors" in names:  # every file of the final model is named in the manifest: kill -9 here
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+RunFolder.declare = killed_while_moving_the_final_model
+from opefo_trl.cli.train import main
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_resume_of_a_finished_run_trains_nothing_and_keeps_its_final_model(
+    tiny_model_path, problems_file, tmp_path, reward_module, capsys, snapshot
+):
+    """D3: resuming a run whose last checkpoint is at (or past) max_steps trained one more step and saved it over the
+    final model; so did resuming after a kill -9 while the final model was moved into place."""
+    out = tmp_path / "out"
+    reward = ["--reward_funcs", "opefo_cli_test_rewards.digit_overlap_reward"]
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(out), max_steps=2), *reward]
+    assert main([*argv, "--save_steps", "1"]) == 0
+    capsys.readouterr()
+    before = snapshot(tmp_path)
+    for resume, steps in ((["true"], "2"), ([str(out / "checkpoint-2")], "1"), ([str(out / "checkpoint-1")], "1")):
+        assert main([*argv, "--max_steps", steps, "--resume_from_checkpoint", *resume]) == 2
+        err = capsys.readouterr().err
+        checkpoint = out / ("checkpoint-1" if resume[0].endswith("1") else "checkpoint-2")
+        assert (
+            f"opefo-train: error: Nothing to resume: {checkpoint} is at step {checkpoint.name[-1]}, and this run "
+            f"trains {steps} step(s)"
+        ) in err
+        assert snapshot(tmp_path) == before
+
+    killed_dir = tmp_path / "killed"
+    killed_argv = [
+        "--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(killed_dir), max_steps=2), *reward,
+    ]  # fmt: skip
+    killed = _start(tmp_path / "..", [*killed_argv, "--save_steps", "1"], KILLED_FINAL_SAVE, PYTHONPATH=str(tmp_path))
+    output = killed.communicate(timeout=600)[0].decode()
+    assert killed.returncode == -9, output[-3000:]
+    metrics = (killed_dir / "metrics.jsonl").read_text()
+    checkpoint = snapshot(killed_dir / "checkpoint-2")
+    assert main([*killed_argv, "--resume_from_checkpoint", "true"]) == 2
+    assert f"Nothing to resume: {killed_dir / 'checkpoint-2'} is at step 2" in capsys.readouterr().err
+    assert (killed_dir / "metrics.jsonl").read_text() == metrics and snapshot(killed_dir / "checkpoint-2") == checkpoint
+
+
+def test_a_resume_with_options_the_checkpoint_would_override_is_refused_and_others_are_said(
+    tiny_model_path, problems_file, tmp_path, reward_module, capsys, caplog, snapshot
+):
+    """D4: a new learning rate was dropped without a word (the restored scheduler keeps the old one); a new batch
+    shape, num_generations or seed was taken without a word (the epoch counter jumped back); a new length too."""
+    out = tmp_path / "out"
+    reward = ["--reward_funcs", "opefo_cli_test_rewards.digit_overlap_reward"]
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(out), save_steps=1), *reward]
+    assert main(argv) == 0
+    checkpoint = out / "checkpoint-1"
+    assert json.loads((checkpoint / "opefo_run_options.json").read_text())["learning_rate"] == 2.83e-6
+    resume = [*argv, "--max_steps", "2", "--resume_from_checkpoint", "true"]
+    before = snapshot(tmp_path)
+    for extra, refused in (
+        (["--learning_rate", "1e-5"], "learning_rate 2.83e-06 -> 1e-05: the checkpoint's scheduler and optimizer"),
+        (
+            ["--gradient_accumulation_steps", "1"],
+            "gradient_accumulation_steps 2 -> 1, steps_per_generation 2 -> 1, "
+            "generation_batch_size 8 -> 4: the steps already trained would stand for other prompts",
+        ),  # fmt: skip
+        (["--num_generations", "4"], "num_generations 2 -> 4: the steps already trained"),
+        (["--seed", "7"], "seed 42 -> 7: every epoch's prompt order is drawn from it"),
+    ):
+        assert main([*resume, *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"opefo-train: error: Cannot resume {checkpoint} with other options than it was trained with: " in err
+        assert refused in err and "Traceback" not in err
+        assert snapshot(tmp_path) == before
+    with caplog.at_level("WARNING"):
+        assert main([*resume, "--max_completion_length", "16", "--temperature", "0.7"]) == 0
+    assert f"Resuming {checkpoint} with max_completion_length 8 -> 16 from step 1 on." in caplog.text
+    assert f"Resuming {checkpoint} with temperature 1.0 -> 0.7 from step 1 on." in caplog.text
+    assert [m["step"] for m in _metrics(str(out)) if "reward" in m] == [1, 2]
+
+
+COLUMN_REWARDS_MODULE = '''
+SEEN = []
+
+
+def mutating_reward(completions, solution, difficulty, **kwargs):
+    """Changes its inputs in place: the next reward function must not see it."""
+    scores = [float(d) for d in difficulty]
+    solution[:] = ["changed"] * len(solution)
+    difficulty.clear()
+    completions[0][-1]["content"] = "changed"
+    return scores
+
+
+def recording_reward(completions, solution, difficulty, source, **kwargs):
+    SEEN.append((list(solution), list(difficulty), list(source), completions[0][-1]["content"]))
+    return [0.0 for _ in completions]
+'''
+
+
+def test_reward_functions_get_the_extra_columns_each_its_own_copy(
+    tiny_model_path, problems_file, tmp_path, monkeypatch
+):
+    """D15/D16: extra data columns were dropped before the reward functions (TRL passes them), and a reward function
+    that changed its inputs changed what the next one was given."""
+    rows = [json.loads(line) for line in open(problems_file)]
+    data = tmp_path / "problems.jsonl"
+    data.write_text(
+        "".join(json.dumps({**r, "difficulty": i % 3, "source": f"s{i}"}) + "\n" for i, r in enumerate(rows))
+    )
+    (tmp_path / "opefo_cli_column_rewards.py").write_text(COLUMN_REWARDS_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = __import__("opefo_cli_column_rewards")
+    argv = [
+        "--config", RECIPE, *_cpu_overrides(tiny_model_path, str(data), str(tmp_path / "out")),
+        "--reward_funcs", "opefo_cli_column_rewards.mutating_reward", "opefo_cli_column_rewards.recording_reward",
+    ]  # fmt: skip
+    try:
+        assert main(argv) == 0
+    finally:
+        __import__("sys").modules.pop("opefo_cli_column_rewards", None)
+    gold = {r["solution"]: (i % 3, f"s{i}") for i, r in enumerate(rows)}
+    seen = [
+        (s, d, src)
+        for solutions, difficulties, sources, _ in module.SEEN
+        for s, d, src in zip(solutions, difficulties, sources, strict=True)
+    ]
+    assert len(seen) == 8  # 4 prompts x 2 completions, each with its own row's columns
+    assert all(gold[s] == (d, src) for s, d, src in seen)
+    assert all(text != "changed" for *_, text in module.SEEN)

@@ -2,6 +2,7 @@
 and local data files by extension."""
 
 import json
+import re
 
 import pytest
 from datasets import Dataset
@@ -98,8 +99,9 @@ def test_dapo_processed_parquet(tmp_path):
     ]
     path = _write_parquet(tmp_path / "dapo.parquet", rows)
     ds = load_math_dataset("dapo-math-17k", template="qwen_math_boxed", data_files=[path])
-    assert ds.column_names == ["prompt", "solution"]
-    assert ds["solution"] == ["2", "2"]
+    # The other columns are kept: TRL passes them to the reward functions.
+    assert ds.column_names == ["prompt", "solution", "data_source", "ability", "source_prompt"]
+    assert ds["solution"] == ["2", "2"] and ds["data_source"] == ["math_dapo"] * 2
     assert ds[0]["prompt"] == [
         {"role": "system", "content": QWEN_MATH_SYSTEM_PROMPT},
         {"role": "user", "content": "What is $1+1$?"},
@@ -367,3 +369,35 @@ def test_local_file_errors(tmp_path, write_jsonl):
         (tmp_path / "empty.jsonl").write_text(content)
         with pytest.raises(ValueError, match=r"Data file '.*empty.jsonl' is empty; give a file with at least one row"):
             load_local_files(str(tmp_path / "empty.jsonl"))
+
+
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("rows.jsonl", '{"a": 1}\n\n{"a": 2\n', "'{path}', line 3, is not a JSON object (Expecting ',' delimiter"),
+        ("rows.jsonl", '{"a": 1}\n[1, 2]\n', "'{path}', line 2, is not a JSON object (a list)"),
+        ("rows.json", '[{"a": 1},\n {"a": 2]\n', "'{path}' is not valid JSON (Expecting ',' delimiter: line 2"),
+    ],
+)
+def test_a_malformed_json_data_file_names_its_line(name, text, message, tmp_path):
+    from opefo_trl.data.loading import local_file_builder
+
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(message.format(path=path))):
+        local_file_builder([str(path)])
+
+
+def test_whole_json_documents_and_json_lines_pass(tmp_path):
+    from opefo_trl.data.loading import load_local_files, local_file_builder
+
+    rows = [{"a": 1}, {"a": 2}]
+    for name, text in (
+        ("lines.jsonl", "".join(json.dumps(r) + "\n" for r in rows)),
+        ("array.json", json.dumps(rows, indent=1)),
+        ("columns.json", json.dumps({"a": [1, 2]}, indent=1)),
+    ):
+        (tmp_path / name).write_text(text)
+        assert local_file_builder([str(tmp_path / name)]) == "json"
+    assert load_local_files([str(tmp_path / "lines.jsonl")])["a"] == [1, 2]
+    assert load_local_files([str(tmp_path / "array.json")])["a"] == [1, 2]

@@ -57,6 +57,36 @@ def test_bad_reward_outputs_are_described_with_the_first_bad_value(rewards, mess
     assert message in reward_problem("my_reward", rewards, 3)
 
 
+@pytest.mark.parametrize(
+    "rewards, message",
+    [
+        ([1.0, 1e300, 0.0], "returned 1e+300 for 1 of 3 completions (first: completion 1); TRL holds rewards in"),
+        ([1.0, 10**400, 0.0], "returned an integer of 401 digits for 1 of 3 completions (first: completion 1); a non-"),
+    ],
+)
+def test_rewards_too_large_for_the_standard_deviation_are_refused(rewards, message):
+    assert message in reward_problem("my_reward", rewards, 3)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("group", [2, 8, 64])
+def test_the_largest_reward_keeps_trls_group_statistics_finite(group):
+    """At the bound, a group of rewards has a finite float32 mean and standard deviation as TRL computes them, equal
+    to the float64 ones to float32's precision (error estimate: ``group`` additions, each rounded with relative error
+    <= 2**-24, so <= group * 2**-24 relative); four times the bound overflows the group's mean to inf."""
+    from opefo_trl.trainer.checks import largest_reward
+
+    bound = largest_reward(group)
+    assert reward_problem("r", [bound] * group, group) is None
+    assert "overflow to inf" in reward_problem("r", [bound * 1.01] * group, group)
+    for values in ([bound] * group, [bound * (i % 2) for i in range(group)], [(-1) ** i * bound for i in range(group)]):
+        rewards32, rewards64 = torch.tensor(values, dtype=torch.float32), torch.tensor(values, dtype=torch.float64)
+        for statistic in (torch.mean, torch.std):
+            value32, value64 = float(statistic(rewards32)), float(statistic(rewards64))
+            assert value32 == pytest.approx(value64, rel=group * 2**-24, abs=bound * group * 2**-24)
+    assert torch.isinf(torch.tensor([4 * bound] * group, dtype=torch.float32).mean())
+
+
 def test_good_reward_outputs_pass():
     for rewards in ([1, 0.5, None], (True, False, None), np.array([0.0, 1.0, 2.0]), torch.tensor([1.0, 0, 2])):
         assert reward_problem("r", rewards, 3) is None
@@ -270,3 +300,51 @@ def test_vllm_options_that_need_a_gpu_are_refused_before_loading(overrides, mess
     with pytest.raises(ValueError, match=message):
         OPEFOTrainer("no-such-org/no-such-model", length_reward, args=args)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "num_prompts, overrides",
+    [
+        (16, dict(per_device_train_batch_size=8, num_generations=4, max_steps=-1, num_train_epochs=1)),
+        (
+            16,
+            dict(
+                per_device_train_batch_size=4,
+                num_generations=2,
+                gradient_accumulation_steps=2,
+                max_steps=-1,
+                num_train_epochs=1.5,
+            ),
+        ),  # fmt: skip
+        (
+            13,
+            dict(
+                per_device_train_batch_size=4,
+                num_generations=2,
+                steps_per_generation=4,
+                gradient_accumulation_steps=3,
+                num_iterations=2,
+                max_steps=-1,
+                num_train_epochs=2,
+                method="grpo",
+            ),
+        ),  # fmt: skip
+        (16, dict(per_device_train_batch_size=4, num_generations=2, max_steps=5)),
+        (3, dict(per_device_train_batch_size=8, num_generations=2, max_steps=5)),  # one generation batch takes 4
+        (16, dict(per_device_train_batch_size=8, num_generations=4, max_steps=-1, num_train_epochs=0)),
+    ],
+)
+def test_planned_steps_are_the_steps_trls_data_loader_and_transformers_train(
+    num_prompts, overrides, tiny_model_path, tiny_dataset, length_reward, tmp_path
+):
+    """The count the refusals of 0-step runs and finished resumes use, against the trainer's own: transformers' step
+    count over TRL's data loader (which yields nothing at all when the data fills no generation batch)."""
+    from trainer_setup import make_config, make_trainer
+
+    from opefo_trl.trainer.checks import planned_steps
+
+    args = make_config(tmp_path, **overrides)
+    trainer = make_trainer(tiny_model_path, tiny_dataset.select(range(num_prompts)), length_reward, args)
+    loader = trainer.get_train_dataloader()
+    expected = 0 if len(loader) == 0 else trainer.set_initial_training_values(args, loader)[-1]
+    assert planned_steps(num_prompts, args) == expected

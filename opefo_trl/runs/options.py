@@ -1,0 +1,143 @@
+"""The options a checkpoint was trained with, and what a resume with other values does.
+
+Every checkpoint holds ``opefo_run_options.json``: the options below as the run had them. A resume compares them with
+its own, following what transformers' ``Trainer`` restores from a checkpoint:
+
+- refused, with the old and new values (:data:`REFUSED`): options whose new value the checkpoint would silently
+  override (the learning rate and schedule live in the restored scheduler, the optimizer's hyperparameters in its
+  restored state), or that change which prompts the steps already trained stand for (the batch shape: the resumed
+  run would skip the wrong number of batches and count its epoch wrongly; the seed: every epoch's order);
+- taken, with one line saying what changes from the resumed step on (:data:`TAKEN`, and every option of the token
+  methods): sampling, lengths and loss options, which transformers reads afresh on resume as well.
+
+``max_steps`` and ``num_train_epochs`` are how a run is extended, and logging / saving options change no result: they
+are not compared.
+
+Example:
+    >>> refused, taken = compare_options({"learning_rate": 1e-6, "temperature": 1.0},
+    ...                                  {"learning_rate": 2e-6, "temperature": 0.7})
+    >>> refused, taken
+    (['learning_rate 1e-06 -> 2e-06'], ['temperature 1.0 -> 0.7'])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from enum import Enum
+from typing import Any
+
+from opefo_trl.runs.files import RUN_OPTIONS_NAME, CheckpointError, write_json_atomically
+
+#: Refused on resume, by why (the reason is part of the error).
+REFUSED: dict[str, tuple[str, ...]] = {
+    "the checkpoint's scheduler and optimizer state would override it (transformers restores them)": (
+        "learning_rate",
+        "lr_scheduler_type",
+        "lr_scheduler_kwargs",
+        "warmup_steps",
+        "warmup_ratio",
+        "optim",
+        "weight_decay",
+        "adam_beta1",
+        "adam_beta2",
+        "adam_epsilon",
+    ),
+    "the steps already trained would stand for other prompts (the epoch counter and the batches skipped on resume "
+    "are counted in this shape)": (
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "num_generations",
+        "steps_per_generation",
+        "generation_batch_size",
+        "num_iterations",
+        "world_size",
+    ),
+    "every epoch's prompt order is drawn from it": ("seed", "shuffle_dataset"),
+}
+#: Taken on resume, with one line each; the token methods' options are taken too.
+TAKEN: tuple[str, ...] = (
+    "max_completion_length",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "beta",
+    "epsilon",
+    "epsilon_high",
+    "loss_type",
+    "scale_rewards",
+    "reward_weights",
+    "mask_truncated_completions",
+    "max_grad_norm",
+)
+
+
+def _method_options(args: Any) -> list[str]:
+    """The options the config adds to TRL's GRPOConfig: the token methods' and the entropy flow's."""
+    from trl import GRPOConfig
+
+    inherited = {f.name for f in dataclasses.fields(GRPOConfig)}
+    return (
+        [f.name for f in dataclasses.fields(args) if f.name not in inherited] if dataclasses.is_dataclass(args) else []
+    )
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as it reads back from JSON (enums by value), so that saved and current values compare equal."""
+    if isinstance(value, Enum):
+        value = value.value
+    return json.loads(json.dumps(value, default=str))
+
+
+def run_options(args: Any) -> dict[str, Any]:
+    """The compared options of ``args`` (a `GRPOConfig` / `OPEFOConfig`), JSON-ready."""
+    names = [n for group in REFUSED.values() for n in group] + list(TAKEN) + _method_options(args)
+    return {name: _plain(getattr(args, name)) for name in names if hasattr(args, name)}
+
+
+def save_run_options(checkpoint: str, args: Any) -> None:
+    write_json_atomically(os.path.join(checkpoint, RUN_OPTIONS_NAME), run_options(args))
+
+
+def compare_options(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """``(refused, taken)``: ``"name old -> new"`` of every option that differs, refused or taken on resume."""
+    refused_names = {n for group in REFUSED.values() for n in group}
+    refused: list[str] = []
+    taken: list[str] = []
+    for name, old in saved.items():
+        if name not in current or current[name] == old:
+            continue
+        (refused if name in refused_names else taken).append(f"{name} {old} -> {current[name]}")
+    return refused, taken
+
+
+def check_resume_options(checkpoint: str, args: Any) -> list[str]:
+    """Refuse to resume ``checkpoint`` with options it would override or misread (:data:`REFUSED`), naming old and new
+    values; return the lines saying what else changes (an older checkpoint without the file: nothing to compare)."""
+    path = os.path.join(checkpoint, RUN_OPTIONS_NAME)
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        saved = json.load(f)
+    refused, taken = compare_options(saved, run_options(args))
+    if refused:
+        reasons = [
+            f"{', '.join(n for n in refused if n.split(' ', 1)[0] in names)}: {why}"
+            for why, names in REFUSED.items()
+            if any(n.split(" ", 1)[0] in names for n in refused)
+        ]
+        raise CheckpointError(
+            f"Cannot resume {checkpoint} with other options than it was trained with: {'; '.join(reasons)}. Resume "
+            "with the checkpoint's values, or start a new run from its weights (--model_name_or_path "
+            f"{checkpoint}, without resume_from_checkpoint)."
+        )
+    return [f"Resuming {checkpoint} with {change} from step {_step(checkpoint)} on." for change in taken]
+
+
+def _step(checkpoint: str) -> str:
+    from opefo_trl.runs.checkpoint import checkpoint_step
+
+    return str(checkpoint_step(checkpoint))
