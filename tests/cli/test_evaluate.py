@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 from opefo_trl.cli.evaluate import main
 
 
@@ -70,3 +72,27 @@ def test_cli_names_a_model_folder_without_weights(tiny_model_path, bench_file, t
     assert main([*argv, "--backend", "transformers", "--no_progress"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"opefo-eval: error: {model} holds no weights (no *.safetensors") and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--temperature", "nan"], "temperature=nan: options must be finite numbers."),
+        (["--temperature", "inf"], "temperature=inf: options must be finite numbers."),
+        (["--top_p", "nan"], "top_p=nan: options must be finite numbers."),
+        (["--vllm_gpu_memory_utilization", "inf"], "vllm_gpu_memory_utilization=inf: options must be finite"),
+        (["--vllm_gpu_memory_utilization", "1.5"], "vllm_gpu_memory_utilization must be in (0, 1]"),
+        (["--vllm_tensor_parallel_size", "0"], "vllm_tensor_parallel_size must be at least 1, got 0."),
+        (["--max_model_len", "0"], "max_model_len must be at least 1, got 0."),
+    ],
+)
+def test_cli_refuses_non_finite_and_out_of_range_numbers_before_loading(
+    flags, message, tiny_model_path, bench_file, tmp_path, capsys, no_model_loading
+):
+    """A temperature of nan or inf would sample garbage that is then scored as if it were the model's answers."""
+    out = tmp_path / "eval"
+    argv = ["--model_name_or_path", tiny_model_path, "--benchmarks", bench_file, "--output_dir", str(out)]
+    assert main([*argv, "--backend", "transformers", "--no_progress", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"opefo-eval: error: {message}") and "Traceback" not in err
+    assert not out.exists()
