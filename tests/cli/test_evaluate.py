@@ -1,5 +1,6 @@
 """`opefo-eval` through `main(argv)`: a run on the tiny model, the same run from a YAML recipe, bad input."""
 
+import json
 import os
 
 import pytest
@@ -96,3 +97,75 @@ def test_cli_refuses_non_finite_and_out_of_range_numbers_before_loading(
     err = capsys.readouterr().err
     assert err.startswith(f"opefo-eval: error: {message}") and "Traceback" not in err
     assert not out.exists()
+
+
+def _small_run(model, bench_file, out) -> list[str]:
+    return [
+        "--model_name_or_path",
+        str(model),
+        "--benchmarks",
+        bench_file,
+        "--num_samples",
+        "2",
+        "--max_new_tokens",
+        "3",
+        "--max_problems",
+        "2",
+        "--backend",
+        "transformers",
+        "--no_progress",
+        "--output_dir",
+        str(out),
+    ]
+
+
+def test_cli_refuses_samples_it_cannot_tie_to_the_model(tiny_model_path, bench_file, tmp_path, capsys):
+    """Samples are reused only with the record of what drew them, whole, and only for the very same weights: a store
+    whose run_config.json is missing (e.g. another model's samples.jsonl copied in) or cut off is refused, and so is
+    a store after an in-place edit of one weight no sample of the file would have read."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model)
+    out = tmp_path / "eval"
+    argv = _small_run(model, bench_file, out)
+    assert main(argv) == 0
+    samples = (out / "samples.jsonl").read_text()
+    settings = (out / "run_config.json").read_text()
+    capsys.readouterr()
+
+    (out / "run_config.json").unlink()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"opefo-eval: error: {out / 'samples.jsonl'} holds 4 samples, but {out / 'run_config.json'} (the model, "
+        "weights and settings they were drawn with) is missing"
+    )
+    assert "Traceback" not in err and (out / "samples.jsonl").read_text() == samples
+
+    (out / "run_config.json").write_text(settings[: len(settings) // 2])  # cut off
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"opefo-eval: error: {out / 'run_config.json'} is not valid JSON (")
+    assert "Restore it, use another output_dir, or overwrite=True (--overwrite true)" in err
+
+    (out / "run_config.json").write_text(settings)
+    assert main(argv) == 0  # whole again: reused
+    assert (out / "samples.jsonl").read_text() == samples
+    weights = model / "model.safetensors"
+    stat = weights.stat()
+    with open(weights, "r+b") as f:  # in place, one byte of row 1 of the largest matrix (not its first, middle or last)
+        header_length = int.from_bytes(f.read(8), "little")
+        header = {k: v for k, v in json.loads(f.read(header_length)).items() if k != "__metadata__"}
+        name = max(header, key=lambda k: header[k]["shape"][0] if header[k]["shape"] else 0)
+        start, end = header[name]["data_offsets"]
+        offset = 8 + header_length + start + (end - start) // header[name]["shape"][0]
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 1]))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"opefo-eval: error: {out} holds 4 samples drawn from other weights: model/model.safetensors")
