@@ -9,7 +9,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from opefo_trl.data.loading import check_datasets_cache
 from opefo_trl.data.model_files import model_context_length
+from opefo_trl.runs.files import unwritable_reason
 from opefo_trl.runs.folder import RunLock
 
 from .backends import ModelSource, TransformersBackend, VLLMBackend, resolve_model_source, select_backend
@@ -67,6 +69,12 @@ def evaluate(
         The content of ``results.json``: ``{"config", "benchmarks": {name: {"metrics", "problems"}}, "average",
         "markdown"}``.
     """
+    reason = unwritable_reason(config.output_dir)
+    if reason:
+        raise ValueError(
+            f"Cannot write into output_dir {config.output_dir!r} ({reason}); give a folder this user can write to."
+        )
+    check_datasets_cache()
     benchmarks = resolve_benchmarks(config)
     assert config.model_name_or_path is not None  # EvaluationConfig.__post_init__ requires it
     source = resolve_model_source(config.model_name_or_path, config.base_model_name_or_path)

@@ -219,3 +219,20 @@ def test_a_second_run_into_a_store_in_use_is_refused_at_once(tiny_model_path, be
     assert len(records) == 2 * 4 == len({(r["problem_id"], r["sample_index"]) for r in records})
     assert json.loads((out / "run_config.json").read_text())["temperature"] == 1.0
     assert not (out / ".opefo_run.lock").exists()
+
+
+def test_an_output_dir_that_cannot_be_written_is_one_line_before_loading(
+    tiny_model_path, bench_file, read_only_dir, capsys, no_model_loading, monkeypatch
+):
+    """Refused before the benchmarks load (a hub download) and before the model does, not by a traceback after."""
+    import opefo_trl.eval.runner
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the benchmarks were loaded")
+
+    monkeypatch.setattr(opefo_trl.eval.runner, "load_problems", refuse)
+    for out in (read_only_dir, read_only_dir / "eval"):
+        assert main(_small_run(tiny_model_path, bench_file, out)) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"opefo-eval: error: Cannot write into output_dir '{out}' (") and "Traceback" not in err
+        assert "give a folder this user can write to." in err

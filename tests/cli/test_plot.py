@@ -78,3 +78,16 @@ def test_runs_given_twice_or_not_at_all_are_refused(tmp_path, capsys):
         plot_main(["--output", str(tmp_path / "x.png")])
     assert exit_info.value.code == 2
     assert "the following arguments are required: --runs" in capsys.readouterr().err
+
+
+def test_an_output_that_cannot_be_written_is_one_line_before_any_run_is_read(tmp_path, read_only_dir, capsys):
+    write_trainer_state(tmp_path / "grpo", trainer_state_rows(4, 2.0, flows=False))
+    for output, message in (
+        (read_only_dir / "curves.png", f"Cannot write the figure '{read_only_dir / 'curves.png'}' ("),
+        (read_only_dir / "figures" / "curves.png", f"Cannot write the figure '{read_only_dir / 'figures'}"),
+        (tmp_path / "grpo", f"--output '{tmp_path / 'grpo'}' is a folder; give the PNG file to write"),
+    ):
+        assert plot_main([str(tmp_path / "grpo"), "--output", str(output)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"opefo-plot: error: {message}") and "Traceback" not in err
+    assert list(read_only_dir.iterdir()) == []
