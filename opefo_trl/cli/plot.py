@@ -16,6 +16,7 @@ error naming the closest ones, and the runs may also be given with ``--runs``. B
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -97,6 +98,8 @@ def check_output(output: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse options, draw the runs, print what was drawn; return the exit status (2 for bad input)."""
     from opefo_trl.plotting import load_runs, plot_runs
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")  # as opefo-eval's
 
     try:
         (options,) = parse_options(make_parser(), argv, positional="runs")
