@@ -119,7 +119,8 @@ _HASH_BLOCK = 1 << 22
 def weight_file_fingerprint(path: str | os.PathLike) -> str:
     """A hash of every byte of a weight file: a change anywhere in it (a row no sample of the file would read, an
     edit in place that kept the mtime) changes it, and a copy keeps it. xxh3-128, not a cryptographic hash: it
-    guards against accidents, and reads a GB from the page cache in about 0.35 s on one core, 4-5 times faster.
+    guards against accidents, and hashes a GB in the page cache in 0.3-0.7 s where sha256 takes 1.3-3 s (measured on
+    a busy 2-core machine).
 
     >>> import tempfile
     >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
