@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -30,7 +31,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from opefo_trl._extras import needs_extra
-from opefo_trl.runs import CHECKPOINT_RE, METRICS_FILE, METRICS_FILE_PER_RANK, TRAINER_STATE_NAME, checkpoints
+from opefo_trl.runs import (
+    CHECKPOINT_RE,
+    METRICS_FILE,
+    METRICS_FILE_PER_RANK,
+    TRAINER_STATE_NAME,
+    checkpoints,
+    read_metrics_lines,
+)
+
+logger = logging.getLogger(__name__)
 
 STATE_FILE = TRAINER_STATE_NAME
 #: What `opefo-train` writes (`metrics_jsonl`): the main process's file, else rank 0's.
@@ -143,21 +153,15 @@ def _default_label(state_path: str) -> str:
 
 
 def _read_metrics_lines(metrics_path: str) -> list[dict]:
-    """The logged rows of a ``metrics.jsonl``; a last line cut short by a kill is left out."""
-    with open(metrics_path) as f:
-        lines = [line for line in f if line.strip()]
-    rows = []
-    for number, line in enumerate(lines, 1):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            if number == len(lines):
-                break
-            raise ValueError(f"{metrics_path!r}, line {number}, is not valid JSON ({err}).") from err
-        if not isinstance(row, dict):
-            raise ValueError(f"{metrics_path!r}, line {number}, is not a JSON mapping of metrics.")
-        rows.append(row)
-    return rows
+    """The logged rows of a ``metrics.jsonl`` (opefo-train's reader); a last line cut short by a kill is left out,
+    with a warning: the figure then ends a step early."""
+    lines, cut_off = read_metrics_lines(metrics_path)
+    if cut_off:
+        logger.warning(
+            "%s: its last line is cut off (a write was interrupted); the step it logged is left out of the figure.",
+            metrics_path,
+        )
+    return [json.loads(line) for line in lines]
 
 
 def load_run(path: str | os.PathLike, label: str | None = None) -> RunHistory:

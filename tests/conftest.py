@@ -284,3 +284,23 @@ def vllm_cpu_gemm():
 
     patch.install()
     return patch.__file__
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """An empty folder nothing can be written into, for this user too: a read-only tmpfs where mounting works (root,
+    whom permission bits do not stop), else a folder without write permission."""
+    import subprocess
+
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        yield folder
+        folder.chmod(0o755)
+        return
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.decode().strip()}")
+    yield folder
+    subprocess.run(["umount", "-l", str(folder)], check=True)

@@ -196,7 +196,7 @@ def test_metrics_jsonl_is_preferred_to_a_checkpoint_and_trainer_state_to_both(tm
     assert find_state_file(tmp_path / "run") == str(tmp_path / "run" / "trainer_state.json")
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "metrics.jsonl").write_text('{"step": 1\n{"step": 2}\n')
-    with pytest.raises(ValueError, match=r"metrics.jsonl', line 1, is not valid JSON"):
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 1, is not a metrics record: '{\"step\": 1'"):
         load_run(tmp_path / "bad")
 
 

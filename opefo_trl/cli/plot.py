@@ -16,6 +16,8 @@ error naming the closest ones, and the runs may also be given with ``--runs``. B
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -83,13 +85,27 @@ def seed_group(label: str) -> str:
     return label
 
 
+def check_output(output: str) -> None:
+    """Refuse, before any run is read, a figure path that is a folder or lies where this user cannot write."""
+    from opefo_trl.runs.files import unwritable_reason
+
+    if os.path.isdir(output):
+        raise ValueError(f"--output {output!r} is a folder; give the PNG file to write, e.g. {output}/curves.png.")
+    reason = unwritable_reason(os.path.dirname(os.path.abspath(output)))
+    if reason:
+        raise ValueError(f"Cannot write the figure {output!r} ({reason}); give an --output this user can write.")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse options, draw the runs, print what was drawn; return the exit status (2 for bad input)."""
     from opefo_trl.plotting import load_runs, plot_runs
 
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")  # as opefo-eval's
+
     try:
         (options,) = parse_options(make_parser(), argv, positional="runs")
         require_extra("plot", "matplotlib", PROG)
+        check_output(options.output)
         runs = load_runs(options.runs)
         groups = {run.label: seed_group(run.label) for run in runs} if options.group else None
         result = plot_runs(runs, options.output, groups=groups, smoothing=options.smoothing, title=options.title)

@@ -218,6 +218,22 @@ def _is_blank(path: str, chunk_size: int = 1 << 16) -> bool:
     return True
 
 
+def check_datasets_cache() -> None:
+    """Refuse a datasets cache this process cannot write (a read-only ``HF_HOME``, an unwritable ``HOME``): datasets
+    writes every data set it loads there, local files included, and would fail with a traceback."""
+    from datasets import config
+
+    from opefo_trl.runs.files import unwritable_reason
+
+    cache = str(config.HF_DATASETS_CACHE)
+    reason = unwritable_reason(cache)
+    if reason:
+        raise ValueError(
+            f"The datasets cache {cache} cannot be written ({reason}); datasets stores every data set it loads "
+            "there. Set HF_DATASETS_CACHE (or HF_HOME) to a folder this user can write to."
+        )
+
+
 def load_local_files(data_files: str | os.PathLike | Sequence[str | os.PathLike], split: str = "train"):
     """Load local JSON / JSONL / Parquet / CSV files (one format) as one `datasets.Dataset` named ``split``."""
     from datasets import load_dataset

@@ -4,7 +4,7 @@ Shared by ``opefo-train``, ``opefo-eval`` and the demo:
 
 - Model paths: :func:`check_model_name_or_path` refuses a model that is neither a local model directory (with its
   weights and tokenizer files) nor a valid hub id.
-- Model files: :func:`weight_fingerprints` identifies the weights in a directory by content, and
+- Model files: :func:`weight_fingerprints` identifies the weights in a directory by every byte, and
   :func:`model_file_fingerprints` the files that decide how prompts are rendered and completions generated (the
   tokenizer, chat template, config and generation config); ``opefo-eval`` refuses samples drawn with other ones.
 - Context length: :func:`model_context_length`, the number of tokens prompt + completion must fit (the model
@@ -18,7 +18,6 @@ Example:
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 from typing import Any
@@ -136,48 +135,30 @@ def check_has_tokenizer(directory: str | os.PathLike) -> None:
         )
 
 
-def _safetensors_digest(path: str | os.PathLike, digest) -> None:
-    """Metadata, then every tensor's name, dtype, shape and its first, middle and last rows (read by safetensors, a
-    row at a time): any trained tensor changes them."""
-    import torch
-    from safetensors import safe_open
-
-    with safe_open(os.fspath(path), framework="pt") as f:
-        digest.update(json.dumps(f.metadata() or {}, sort_keys=True).encode())
-        for name in sorted(f.keys()):
-            part = f.get_slice(name)
-            shape = part.get_shape()
-            digest.update(f"{name}:{part.get_dtype()}:{shape}".encode())
-            if not shape or shape[0] == 0:
-                rows = [f.get_tensor(name)]
-            else:
-                rows = [part[i : i + 1] for i in sorted({0, shape[0] // 2, shape[0] - 1})]
-            for row in rows:
-                digest.update(row.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+#: Bytes read per update of a weight file's hash.
+_HASH_BLOCK = 1 << 22
 
 
 def weight_file_fingerprint(path: str | os.PathLike) -> str:
-    """A content fingerprint of a weight file read in small pieces (no mtime: a copy keeps it, training changes it).
+    """A hash of every byte of a weight file: a change anywhere in it (a row no sample of the file would read, an
+    edit in place that kept the mtime) changes it, and a copy keeps it. xxh3-128, not a cryptographic hash: it
+    guards against accidents, and hashes a GB in the page cache in 0.3-0.7 s where sha256 takes 1.3-3 s (measured on
+    a busy 2-core machine).
 
-    safetensors: its metadata and the first, middle and last rows of every tensor; other files: 64 blocks of 64 KiB
-    spread over the file. Both with the file size. Training moves every trainable tensor, hence its sampled blocks.
+    >>> import tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+    >>> _ = open(path, "wb").write(b"weights")
+    >>> weight_file_fingerprint(path)
+    'xxh3:bdbda1eb6e05adc4800d98e5524fefbc'
     """
-    from safetensors import SafetensorError
+    import xxhash
 
-    size = os.path.getsize(path)
-    digest = hashlib.sha256(str(size).encode())
-    if os.fspath(path).endswith(".safetensors"):
-        try:
-            _safetensors_digest(path, digest)
-            return digest.hexdigest()[:32]
-        except SafetensorError:  # safetensors cannot read it (a damaged file): fingerprint it as bytes
-            digest = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as f:
-        block = 1 << 16
-        for offset in sorted({min(i * size // 64, max(0, size - block)) for i in range(64)}):
-            f.seek(offset)
-            digest.update(f.read(block))
-    return digest.hexdigest()[:32]
+    digest, block = xxhash.xxh3_128(), bytearray(_HASH_BLOCK)
+    view = memoryview(block)
+    with open(path, "rb", buffering=0) as f:
+        while size := f.readinto(block):  # into one buffer: no copy per block
+            digest.update(view[:size])
+    return f"xxh3:{digest.hexdigest()}"
 
 
 def weight_fingerprints(directory: str | os.PathLike) -> dict[str, str]:

@@ -7,8 +7,10 @@ import dataclasses
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 
@@ -193,9 +195,24 @@ def _train_all(jobs: list[TrainJob], workers: int, threads: int, log):
     log(f"training {len(jobs)} runs in {workers} processes side by side")
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(threads,)) as pool:
-        futures = [pool.submit(train_one, *job, log=print) for job in jobs]
-        for future in futures:
-            yield future.result()
+        try:
+            futures = [pool.submit(train_one, *job, log=print) for job in jobs]
+            for future in futures:
+                yield future.result()
+        except BaseException:  # SIGTERM (see `main`), Ctrl-C, a failed run, the caller closing this generator
+            _stop_workers(pool)
+            raise
+
+
+def _stop_workers(pool) -> None:
+    """End the pool's workers now: leaving the pool waits for the runs they are in (minutes), and a parent that
+    exits without them leaves them training, orphaned."""
+    workers = list((pool._processes or {}).values())  # no public way to stop them before Python 3.14; shutdown
+    pool.shutdown(wait=False, cancel_futures=True)  # forgets them
+    for process in workers:
+        process.terminate()
+    for process in workers:
+        process.join(timeout=30)
 
 
 def _start_worker(threads: int) -> None:
@@ -227,9 +244,15 @@ def _run_setting_in_own_process(
     log(f"numerics {name}: in a process of its own, started with {variables}")
     process = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert process.stdout is not None  # stdout=PIPE
-    for line in process.stdout:
-        log(f"[{name}] {line.rstrip()}")
-    if process.wait() != 0:
+    try:
+        for line in process.stdout:
+            log(f"[{name}] {line.rstrip()}")
+        process.wait()
+    except BaseException:  # SIGTERM or Ctrl-C here: the setting's own demo (which stops its workers) ends too
+        process.terminate()
+        process.wait()
+        raise
+    if process.returncode != 0:
         raise RuntimeError(f"The demo under numerics {name!r} failed (exit code {process.returncode}); see its output.")
     with open(os.path.join(output_dir, "runs", name, RESULTS_FILE)) as f:
         data = json.load(f)
@@ -293,7 +316,25 @@ def _by_k(result: HeldOutResult) -> dict[int, float]:
     return {int(name.removeprefix("pass@")): value for name, value in result.pass_at_k.items()}
 
 
+def _exit_on_sigterm(signum: int, frame) -> None:
+    """SIGTERM (``kill PID``) as an exception, so that the demo's workers and child processes are ended with it, as
+    they are on Ctrl-C; the default action would end the main process alone."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``python -m opefo_trl.demo``: parse and check the settings, run the demo, print the summary; return the exit
+    status (2 for bad input; a SIGTERM ends it with SystemExit(143))."""
+    main_thread = threading.current_thread() is threading.main_thread()  # where Python delivers signals
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main_thread else None
+    try:
+        return _main(argv)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
     for name, value in ENVIRONMENT.items():
         os.environ.setdefault(name, value)
     from opefo_trl.cli.options import INPUT_ERRORS, build_parser, parse_options, report_error

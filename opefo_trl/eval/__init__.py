@@ -43,7 +43,7 @@ Outputs in ``output_dir``:
   :func:`opefo_trl.data.model_files.weight_fingerprints`) and of the tokenizer, chat template, config and
   generation config (:func:`opefo_trl.data.model_files.model_file_fingerprints`); resuming with other settings, or
   after any of those files changed (e.g. more training into the model's directory, an edited chat template), is
-  refused. A hub model is known by its id only.
+  refused, and so are samples without a whole ``run_config.json`` beside them. A hub model is known by its id only.
 - ``results.json``: settings, per-benchmark metrics, per-problem rows (extracted answers, scores, n, c, majority
   answer) and the average over benchmarks.
 - ``results.md``: a markdown table, benchmarks x metrics, with an ``average`` row.

@@ -118,6 +118,11 @@ class EvaluationConfig:
             raise ValueError("model_name_or_path is required: a checkpoint directory, a hub id or a LoRA adapter.")
         if not self.benchmarks:
             raise ValueError(f"No benchmarks given; choose from {', '.join(BENCHMARKS)} or pass local files.")
+        from opefo_trl.trainer.checks import non_finite_options  # opefo-train's check of the same values
+
+        non_finite = non_finite_options(self)
+        if non_finite:
+            raise ValueError(f"{', '.join(non_finite)}: options must be finite numbers.")
         if self.num_samples is not None and self.num_samples < 1:
             raise ValueError(f"num_samples must be at least 1, got {self.num_samples}.")
         if self.pass_at_k is not None and any(k < 1 for k in self.pass_at_k):
@@ -130,6 +135,15 @@ class EvaluationConfig:
             raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}.")
         if self.batch_size < 1 or self.vllm_problems_per_call < 1:
             raise ValueError("batch_size and vllm_problems_per_call must be at least 1.")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"vllm_gpu_memory_utilization must be in (0, 1] (a fraction of the GPU's memory), got "
+                f"{self.vllm_gpu_memory_utilization}."
+            )
+        if self.vllm_tensor_parallel_size < 1:
+            raise ValueError(f"vllm_tensor_parallel_size must be at least 1, got {self.vllm_tensor_parallel_size}.")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
         if self.max_problems is not None and self.max_problems < 1:
             raise ValueError(f"max_problems must be at least 1, got {self.max_problems}.")
         if self.backend not in BACKENDS:

@@ -9,7 +9,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from opefo_trl.data.loading import check_datasets_cache
 from opefo_trl.data.model_files import model_context_length
+from opefo_trl.runs.files import unwritable_reason
+from opefo_trl.runs.folder import RunLock
 
 from .backends import ModelSource, TransformersBackend, VLLMBackend, resolve_model_source, select_backend
 from .benchmarks import build_prompt_ids, context_length_warning, load_problems, resolve_benchmarks
@@ -19,6 +22,8 @@ from .store import MODEL_FILES_KEY, WEIGHTS_KEY, SampleJob, SampleStore, pending
 
 logger = logging.getLogger(__name__)
 
+#: What two opefo-eval runs into one output_dir would mix (the message the second one gets).
+STORE_MIXES = "their samples (both runs' draws in one samples.jsonl, under one run_config.json)"
 RESULTS_JSON = "results.json"
 RESULTS_MARKDOWN = "results.md"
 
@@ -51,7 +56,9 @@ def evaluate(
 
     Everything that can be checked without the model is checked first (benchmark names, ``k <= n``, model path and
     its weights, backend, data columns, stored samples and the weights, tokenizer, chat template and generation
-    config they were drawn with); the model is loaded only if samples are missing.
+    config they were drawn with); the model is loaded only if samples are missing. One run writes a store at a time:
+    a run into an ``output_dir`` another run holds is refused at once (``RunFolderBusy``, the lock of
+    :class:`opefo_trl.runs.RunLock`), as is one into a folder it cannot write (``RunFolderError``).
 
     Args:
         config: The evaluation options.
@@ -62,12 +69,28 @@ def evaluate(
         The content of ``results.json``: ``{"config", "benchmarks": {name: {"metrics", "problems"}}, "average",
         "markdown"}``.
     """
+    reason = unwritable_reason(config.output_dir)
+    if reason:
+        raise ValueError(
+            f"Cannot write into output_dir {config.output_dir!r} ({reason}); give a folder this user can write to."
+        )
+    check_datasets_cache()
     benchmarks = resolve_benchmarks(config)
     assert config.model_name_or_path is not None  # EvaluationConfig.__post_init__ requires it
     source = resolve_model_source(config.model_name_or_path, config.base_model_name_or_path)
     backend_name = "custom" if backend_factory is not None else select_backend(config.backend)
     problems_by_benchmark = {b.name: load_problems(b, config.max_problems) for b in benchmarks}
 
+    # One writer per store, with opefo-train's lock: two runs would interleave their draws in one samples.jsonl.
+    lock = RunLock(config.output_dir, mixes=STORE_MIXES).acquire()
+    try:
+        return _sample_and_score(config, benchmarks, problems_by_benchmark, source, backend_name, backend_factory)
+    finally:
+        lock.release()
+
+
+def _sample_and_score(config, benchmarks, problems_by_benchmark, source, backend_name, backend_factory):
+    """:func:`evaluate` once its store is locked: check the stored samples, draw the missing ones, write results."""
     store = SampleStore(config.output_dir, overwrite=config.overwrite)
     store.check_settings(
         {

@@ -16,14 +16,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from opefo_trl.runs.files import RUN_CONFIG_FILE, SAMPLES_FILE, read_json_lines
+from opefo_trl.runs.files import RUN_CONFIG_FILE, SAMPLES_FILE, read_json_lines, write_json_atomically
 
 from .benchmarks import Problem, ResolvedBenchmark
 
 logger = logging.getLogger(__name__)
 
-#: Settings key of the weight files' fingerprints (`ModelSource.weight_fingerprints`) the samples were drawn from.
-WEIGHTS_KEY = "weights"
+#: Settings key of the hashes of the weight files (`ModelSource.weight_fingerprints`) the samples were drawn from.
+#: A store without it (or with fingerprints of another kind under another key) is refused as unrecorded.
+WEIGHTS_KEY = "weight_file_hashes"
 #: Settings key of the fingerprints of the tokenizer, chat template, config and generation config
 #: (`ModelSource.file_fingerprints`) the samples were drawn with.
 MODEL_FILES_KEY = "model_files"
@@ -108,11 +109,36 @@ class SampleStore:
                 f.write("\n")
             logger.warning("Added the newline missing at the end of %s (interrupted write).", self.samples_path)
 
-    def check_settings(self, settings: dict[str, Any]) -> None:
-        """Store ``settings`` on the first run; on a re-run refuse to mix samples drawn with different ones."""
-        if os.path.exists(self.settings_path):
+    def _stored_settings(self) -> dict[str, Any] | None:
+        """The settings in ``run_config.json`` (None without one); refused if the file is cut off or not a mapping,
+        and missing while samples are stored (nothing then says which model and settings drew them)."""
+        if not os.path.exists(self.settings_path):
+            if self.samples:
+                raise ValueError(
+                    f"{self.samples_path} holds {len(self.samples)} samples, but {self.settings_path} (the model, "
+                    "weights and settings they were drawn with) is missing: they cannot be told from another "
+                    "model's. Use another output_dir, or overwrite=True (--overwrite true) to discard them."
+                )
+            return None
+        try:
             with open(self.settings_path) as f:
                 stored = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            stored, problem = None, f"is not valid JSON ({err}; cut off?)"
+        else:
+            problem = "is not a JSON mapping of settings"
+        if not isinstance(stored, dict):
+            raise ValueError(
+                f"{self.settings_path} {problem}: it records the model, weights and settings of the samples in "
+                f"{self.samples_path}. Restore it, use another output_dir, or overwrite=True (--overwrite true) to "
+                "discard the samples."
+            )
+        return stored
+
+    def check_settings(self, settings: dict[str, Any]) -> None:
+        """Store ``settings`` on the first run; on a re-run refuse to mix samples drawn with different ones."""
+        stored = self._stored_settings()
+        if stored is not None:
             if self.samples:
                 changed = {k: (stored.get(k), v) for k, v in settings.items() if stored.get(k) != v}
                 for key in (WEIGHTS_KEY, MODEL_FILES_KEY):
@@ -124,8 +150,7 @@ class SampleStore:
                         f"{self.output_dir} holds samples drawn with other settings ({details}). Use another "
                         "output_dir, or overwrite=True (--overwrite) to discard them."
                     )
-        with open(self.settings_path, "w") as f:
-            json.dump(settings, f, indent=2)
+        write_json_atomically(self.settings_path, settings)  # whole or not at all: a kill leaves no cut-off file
 
     def _model_changed(self, key: str, stored: dict | None, current: dict, model: str | None) -> str:
         short, described, cause = _CHANGES[key]

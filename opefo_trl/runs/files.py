@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -105,6 +106,29 @@ def free_bytes(path: str) -> int | None:
         return shutil.disk_usage(path or ".").free
     except OSError:
         return None
+
+
+def unwritable_reason(folder: str) -> str | None:
+    """Why this process cannot create files in ``folder`` (which need not exist yet), or None if it can.
+
+    Probed by creating a nameless temporary file in ``folder``, or in the closest folder above it that exists, and
+    closing it at once: permission bits, a read-only mount and a file in the way all show, and nothing is left behind.
+
+    >>> import tempfile
+    >>> unwritable_reason(os.path.join(tempfile.mkdtemp(), "not", "yet")) is None
+    True
+    """
+    probe = os.path.abspath(folder)
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        return f"{probe} is a file, not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as err:
+        return f"{err.strerror or err}: {probe}"
+    return None
 
 
 def read_json_lines(path: str, refuse: Callable[[int, str], Exception]) -> tuple[list[tuple[int, str, Any]], bool]:

@@ -137,8 +137,12 @@ def _read_holder(fd: int) -> dict | None:
     return holder if isinstance(holder, dict) else None
 
 
-def busy_message(output_dir: str, holder: dict | None) -> str:
-    """What a run refused by the lock of ``output_dir`` is told."""
+#: What two runs of opefo-train in one folder would mix (the end of the message the second one gets).
+RUN_MIXES = "their checkpoints and metrics"
+
+
+def busy_message(output_dir: str, holder: dict | None, mixes: str = RUN_MIXES) -> str:
+    """What a run refused by the lock of ``output_dir`` is told (``mixes``: what two runs in it would mix)."""
     lock = os.path.join(output_dir, LOCK_NAME)
     who = (
         f"pid {holder.get('pid')} on host {holder.get('host')} (since {holder.get('since')})"
@@ -147,7 +151,7 @@ def busy_message(output_dir: str, holder: dict | None) -> str:
     )
     return (
         f"output_dir {output_dir!r} is in use by another run: {who} holds its lock {lock}. Two runs in one folder "
-        "would mix their checkpoints and metrics: wait for that run to end (or stop it), or give another --output_dir."
+        f"would mix {mixes}: wait for that run to end (or stop it), or give another --output_dir."
     )
 
 
@@ -177,13 +181,17 @@ class RunLock:
     (or as a context manager). The lock file holds the holder's pid, host and start time for the message a second
     run gets; it is removed on release.
 
+    ``mixes`` says, in the message a second writer gets, what two writers would mix (opefo-eval's sample stores are
+    locked too).
+
     Example:
         >>> with RunLock("runs/opefo"):  # doctest: +SKIP
         ...     ...  # a second RunLock("runs/opefo").acquire(), in any process, raises RunFolderBusy
     """
 
-    def __init__(self, output_dir: str):
+    def __init__(self, output_dir: str, mixes: str = RUN_MIXES):
         self.output_dir = output_dir
+        self.mixes = mixes
         self.path = os.path.join(output_dir, LOCK_NAME)
         self._fd: int | None = None
 
@@ -214,7 +222,7 @@ class RunLock:
             os.pwrite(fd, json.dumps(mine).encode(), 0)
             self._fd = fd
             return self
-        raise RunFolderBusy(busy_message(self.output_dir, holder))
+        raise RunFolderBusy(busy_message(self.output_dir, holder, self.mixes))
 
     def _open(self) -> int:
         try:

@@ -1,6 +1,9 @@
 """`opefo-eval` through `main(argv)`: a run on the tiny model, the same run from a YAML recipe, bad input."""
 
+import json
 import os
+
+import pytest
 
 from opefo_trl.cli.evaluate import main
 
@@ -84,3 +87,166 @@ def test_cli_names_a_model_folder_without_weights(tiny_model_path, bench_file, t
     assert main([*argv, "--backend", "transformers", "--no_progress"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"opefo-eval: error: {model} holds no weights (no *.safetensors") and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--temperature", "nan"], "temperature=nan: options must be finite numbers."),
+        (["--temperature", "inf"], "temperature=inf: options must be finite numbers."),
+        (["--top_p", "nan"], "top_p=nan: options must be finite numbers."),
+        (["--vllm_gpu_memory_utilization", "inf"], "vllm_gpu_memory_utilization=inf: options must be finite"),
+        (["--vllm_gpu_memory_utilization", "1.5"], "vllm_gpu_memory_utilization must be in (0, 1]"),
+        (["--vllm_tensor_parallel_size", "0"], "vllm_tensor_parallel_size must be at least 1, got 0."),
+        (["--max_model_len", "0"], "max_model_len must be at least 1, got 0."),
+    ],
+)
+def test_cli_refuses_non_finite_and_out_of_range_numbers_before_loading(
+    flags, message, tiny_model_path, bench_file, tmp_path, capsys, no_model_loading
+):
+    """A temperature of nan or inf would sample garbage that is then scored as if it were the model's answers."""
+    out = tmp_path / "eval"
+    argv = ["--model_name_or_path", tiny_model_path, "--benchmarks", bench_file, "--output_dir", str(out)]
+    assert main([*argv, "--backend", "transformers", "--no_progress", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"opefo-eval: error: {message}") and "Traceback" not in err
+    assert not out.exists()
+
+
+def _small_run(model, bench_file, out) -> list[str]:
+    return [
+        "--model_name_or_path",
+        str(model),
+        "--benchmarks",
+        bench_file,
+        "--num_samples",
+        "2",
+        "--max_new_tokens",
+        "3",
+        "--max_problems",
+        "2",
+        "--backend",
+        "transformers",
+        "--no_progress",
+        "--output_dir",
+        str(out),
+    ]
+
+
+def test_cli_refuses_samples_it_cannot_tie_to_the_model(tiny_model_path, bench_file, tmp_path, capsys):
+    """Samples are reused only with the record of what drew them, whole, and only for the very same weights: a store
+    whose run_config.json is missing (e.g. another model's samples.jsonl copied in) or cut off is refused, and so is
+    a store after an in-place edit of one weight no sample of the file would have read."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model)
+    out = tmp_path / "eval"
+    argv = _small_run(model, bench_file, out)
+    assert main(argv) == 0
+    samples = (out / "samples.jsonl").read_text()
+    settings = (out / "run_config.json").read_text()
+    capsys.readouterr()
+
+    (out / "run_config.json").unlink()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"opefo-eval: error: {out / 'samples.jsonl'} holds 4 samples, but {out / 'run_config.json'} (the model, "
+        "weights and settings they were drawn with) is missing"
+    )
+    assert "Traceback" not in err and (out / "samples.jsonl").read_text() == samples
+
+    (out / "run_config.json").write_text(settings[: len(settings) // 2])  # cut off
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"opefo-eval: error: {out / 'run_config.json'} is not valid JSON (")
+    assert "Restore it, use another output_dir, or overwrite=True (--overwrite true)" in err
+
+    (out / "run_config.json").write_text(settings)
+    assert main(argv) == 0  # whole again: reused
+    assert (out / "samples.jsonl").read_text() == samples
+    weights = model / "model.safetensors"
+    stat = weights.stat()
+    with open(weights, "r+b") as f:  # in place, one byte of row 1 of the largest matrix (not its first, middle or last)
+        header_length = int.from_bytes(f.read(8), "little")
+        header = {k: v for k, v in json.loads(f.read(header_length)).items() if k != "__metadata__"}
+        name = max(header, key=lambda k: header[k]["shape"][0] if header[k]["shape"] else 0)
+        start, end = header[name]["data_offsets"]
+        offset = 8 + header_length + start + (end - start) // header[name]["shape"][0]
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 1]))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"opefo-eval: error: {out} holds 4 samples drawn from other weights: model/model.safetensors")
+
+
+@pytest.mark.slow
+def test_a_second_run_into_a_store_in_use_is_refused_at_once(tiny_model_path, bench_file, tmp_path, capsys):
+    """Two opefo-eval runs into one output_dir would interleave their draws in one samples.jsonl (at two temperatures,
+    under one run_config.json); the second is refused while the first holds the store, which it then fills alone."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from opefo_trl.runs import lock_holder
+
+    out = tmp_path / "eval"
+    argv = _small_run(tiny_model_path, bench_file, out)
+    slow = [
+        "--num_samples",
+        "4",
+        "--max_new_tokens",
+        "32",
+        "--max_problems",
+        "2",
+        "--batch_size",
+        "2",
+    ]  # sampling outlasts the start of a second run
+    environment = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "HF_HUB_OFFLINE": "1"}
+    first = subprocess.Popen(
+        [sys.executable, "-m", "opefo_trl.cli.evaluate", *argv, *slow],
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while lock_holder(str(out)) is None and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lock_holder(str(out)) is not None, "the first run never held the store"
+        assert main([*argv, *slow, "--temperature", "0.5"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"opefo-eval: error: output_dir '{out}' is in use by another run: pid {first.pid} on ")
+        assert "would mix their samples (both runs' draws in one samples.jsonl" in err and "Traceback" not in err
+        output, _ = first.communicate(timeout=600)
+    finally:
+        first.kill()
+    assert first.returncode == 0, output
+    records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 4 == len({(r["problem_id"], r["sample_index"]) for r in records})
+    assert json.loads((out / "run_config.json").read_text())["temperature"] == 1.0
+    assert not (out / ".opefo_run.lock").exists()
+
+
+def test_an_output_dir_that_cannot_be_written_is_one_line_before_loading(
+    tiny_model_path, bench_file, read_only_dir, capsys, no_model_loading, monkeypatch
+):
+    """Refused before the benchmarks load (a hub download) and before the model does, not by a traceback after."""
+    import opefo_trl.eval.runner
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the benchmarks were loaded")
+
+    monkeypatch.setattr(opefo_trl.eval.runner, "load_problems", refuse)
+    for out in (read_only_dir, read_only_dir / "eval"):
+        assert main(_small_run(tiny_model_path, bench_file, out)) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"opefo-eval: error: Cannot write into output_dir '{out}' (") and "Traceback" not in err
+        assert "give a folder this user can write to." in err

@@ -78,3 +78,42 @@ def test_runs_given_twice_or_not_at_all_are_refused(tmp_path, capsys):
         plot_main(["--output", str(tmp_path / "x.png")])
     assert exit_info.value.code == 2
     assert "the following arguments are required: --runs" in capsys.readouterr().err
+
+
+def test_an_output_that_cannot_be_written_is_one_line_before_any_run_is_read(tmp_path, read_only_dir, capsys):
+    write_trainer_state(tmp_path / "grpo", trainer_state_rows(4, 2.0, flows=False))
+    for output, message in (
+        (read_only_dir / "curves.png", f"Cannot write the figure '{read_only_dir / 'curves.png'}' ("),
+        (read_only_dir / "figures" / "curves.png", f"Cannot write the figure '{read_only_dir / 'figures'}"),
+        (tmp_path / "grpo", f"--output '{tmp_path / 'grpo'}' is a folder; give the PNG file to write"),
+    ):
+        assert plot_main([str(tmp_path / "grpo"), "--output", str(output)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"opefo-plot: error: {message}") and "Traceback" not in err
+    assert list(read_only_dir.iterdir()) == []
+
+
+def test_a_cut_off_last_metrics_line_is_left_out_with_a_warning(tmp_path):
+    """A run killed while writing its metrics leaves a partial last line; the figure then ends a step early, which
+    the user is told (opefo-plot in its own process, as run from a shell)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    metrics = tmp_path / "opefo" / "metrics.jsonl"
+    metrics.parent.mkdir()
+    rows = trainer_state_rows(3, entropy0=2.0)
+    metrics.write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"step": 4, "entro')
+    environment = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    command = [sys.executable, "-m", "opefo_trl.cli.plot", str(metrics.parent), "--output", str(tmp_path / "c.png")]
+    done = subprocess.run(command, env=environment, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == [
+        f"WARNING opefo_trl.plotting: {metrics}: its last line is cut off (a write was interrupted); the step it "
+        "logged is left out of the figure."
+    ]
+    metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))  # whole: nothing to say
+    done = subprocess.run(command, env=environment, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stderr == ""

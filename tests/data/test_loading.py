@@ -2,6 +2,7 @@
 and local data files by extension."""
 
 import json
+import os
 import re
 
 import pytest
@@ -401,3 +402,70 @@ def test_whole_json_documents_and_json_lines_pass(tmp_path):
         assert local_file_builder([str(tmp_path / name)]) == "json"
     assert load_local_files([str(tmp_path / "lines.jsonl")])["a"] == [1, 2]
     assert load_local_files([str(tmp_path / "array.json")])["a"] == [1, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variable", ["HF_HOME", "HOME"])
+def test_an_unwritable_datasets_cache_is_one_line_before_loading_in_train_and_eval(
+    variable, read_only_dir, tiny_model_path, problems_file, bench_file, tmp_path
+):
+    """A read-only HF_HOME, or an unwritable HOME with HF_HOME unset (its ~/.cache), broke both commands with an
+    OSError traceback from datasets; each now names the cache and the variables that move it, exit 2, nothing
+    written."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    moved = ("HF_HOME", "HF_DATASETS_CACHE", "XDG_CACHE_HOME")
+    environment = {k: v for k, v in os.environ.items() if k not in moved}
+    environment.update(
+        {"PYTHONPATH": str(Path(__file__).parents[2]), "HF_HUB_OFFLINE": "1", variable: str(read_only_dir)}
+    )
+    cache = read_only_dir / ("datasets" if variable == "HF_HOME" else ".cache/huggingface/datasets")
+    model = ["--model_name_or_path", tiny_model_path]
+    commands = {
+        "opefo-train": [
+            "opefo_trl.cli.train",
+            *model,
+            "--dataset_name",
+            "local",
+            "--dataset_files",
+            problems_file,
+            "--problem_column",
+            "prompt",
+            "--answer_column",
+            "solution",
+            "--output_dir",
+            str(tmp_path / "train"),
+            "--max_steps",
+            "1",
+            "--use_cpu",
+            "true",
+            "--bf16",
+            "false",
+            "--report_to",
+            "none",
+        ],  # fmt: skip
+        "opefo-eval": [
+            "opefo_trl.cli.evaluate",
+            *model,
+            "--benchmarks",
+            bench_file,
+            "--backend",
+            "transformers",
+            "--output_dir",
+            str(tmp_path / "eval"),
+        ],  # fmt: skip
+    }
+    for prog, argv in commands.items():
+        done = subprocess.run([sys.executable, "-m", *argv], env=environment, capture_output=True, text=True)
+        errors = [line for line in done.stderr.splitlines() if f"{prog}: error:" in line]
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert len(errors) == 1 and errors[0].startswith(
+            f"{prog}: error: The datasets cache {cache} cannot be written ("
+        )
+        assert errors[0].endswith(
+            "datasets stores every data set it loads there. Set HF_DATASETS_CACHE (or HF_HOME) to a folder this "
+            "user can write to."
+        )
+    assert sorted(os.listdir(tmp_path)) == ["read-only"]

@@ -1,5 +1,8 @@
 """opefo_trl.data.model_files: model paths, weight fingerprints and the context length."""
 
+import json
+import os
+
 import pytest
 
 from opefo_trl.data.model_files import check_model_name_or_path, model_context_length, weight_fingerprints
@@ -63,30 +66,48 @@ def test_model_file_fingerprints_follow_the_tokenizer_template_and_configs(tiny_
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def test_weight_fingerprints_follow_every_tensor_and_survive_a_damaged_file(tmp_path):
+def _tensor_offset(path, name: str) -> int:
+    """Where the data of tensor ``name`` starts in a safetensors file (8-byte header length, JSON header, data)."""
+    with open(path, "rb") as f:
+        header_length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_length))
+    return 8 + header_length + header[name]["data_offsets"][0]
+
+
+def test_weight_fingerprints_follow_every_byte_whatever_the_mtime(tmp_path):
+    """Training or an edit that changes one row no sample of the file reads (here row 1 of 50, neither the first,
+    the middle nor the last), even in place with the mtime put back, gives samples drawn from other weights."""
+    import shutil
+
     import torch
     from safetensors.torch import save_file
 
-    tensors = {
-        "embed": torch.randn(50, 8),
-        "norm": torch.ones(8),
-        "scale": torch.tensor(2.0),
-        "half": torch.randn(3, 4),
-    }
-    tensors["half"] = tensors["half"].to(torch.bfloat16)  # bytes, not numpy: bf16 has no numpy dtype
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    tensors = {"embed": torch.randn(50, 8), "norm": torch.ones(8), "half": torch.randn(3, 4).to(torch.bfloat16)}
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, path, metadata={"format": "pt"})
     first = weight_fingerprints(tmp_path)
-    assert set(first) == {"model.safetensors"}
+    assert set(first) == {"model.safetensors"} and first["model.safetensors"].startswith("xxh3:")
     (tmp_path / "other.txt").write_text("not weights")
-    assert weight_fingerprints(tmp_path) == first  # content only: other files and mtimes do not count
-    for name, change in (("embed", (25, 3)), ("norm", (7,)), ("scale", ()), ("half", (2, 0))):
-        changed = {k: v.clone() for k, v in tensors.items()}
-        changed[name][change] += 1  # one element of the middle or last row, or a scalar
-        save_file(changed, tmp_path / "model.safetensors", metadata={"format": "pt"})
-        assert weight_fingerprints(tmp_path) != first, name
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert weight_fingerprints(tmp_path) == first  # weight files only
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copy(path, copy / "model.safetensors")  # a copy has another mtime, the same content
+    assert weight_fingerprints(copy) == first
+
+    changed = {k: v.clone() for k, v in tensors.items()}
+    changed["embed"][1, 3] += 1
+    save_file(changed, path, metadata={"format": "pt"})
+    assert weight_fingerprints(tmp_path) != first
+    save_file(tensors, path, metadata={"format": "pt"})
     assert weight_fingerprints(tmp_path) == first
-    # a header safetensors cannot read: fingerprinted as bytes, not an error
-    (tmp_path / "model.safetensors").write_bytes(b"\x10" + b"\x00" * 7 + b"{garbage}       " + b"x" * 100)
-    damaged = weight_fingerprints(tmp_path)
-    assert damaged["model.safetensors"] != first["model.safetensors"] and len(damaged["model.safetensors"]) == 32
+
+    stat = os.stat(path)
+    offset = _tensor_offset(path, "embed") + 1 * 8 * 4 + 3 * 4  # row 1, column 3, float32
+    with open(path, "r+b") as f:  # in place: same size, same inode
+        f.seek(offset)
+        value = f.read(4)
+        f.seek(offset)
+        f.write(bytes([value[0] ^ 1]) + value[1:])
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert os.stat(path).st_size == stat.st_size and os.stat(path).st_mtime_ns == stat.st_mtime_ns
+    assert weight_fingerprints(tmp_path) != first

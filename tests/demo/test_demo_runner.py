@@ -150,3 +150,66 @@ def test_runs_side_by_side_give_the_numbers_of_runs_one_after_another(tmp_path, 
         fingerprints[workers] = [(r["method"], r["log_fingerprint"]) for r in runs]
     assert [m for m, _ in fingerprints[2]] == ["grpo", "opefo"]
     assert fingerprints[1] == fingerprints[2]
+
+
+def _group_processes(group: int) -> dict[int, str]:
+    """``{pid: command line}`` of the live processes of process group ``group`` (from /proc)."""
+    import os
+
+    found = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (name)": state, ppid, pgrp, ...
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError):  # not a process, or it ended meanwhile
+            continue
+        if fields[0] != "Z" and int(fields[2]) == group:
+            found[int(entry)] = command
+    return found
+
+
+def test_sigterm_ends_the_workers_and_the_resource_tracker_with_the_demo(tmp_path, tiny_settings):
+    """`kill PID` of a demo training runs side by side left its 2 workers training (and writing runs/) and
+    multiprocessing's resource tracker alive after it died; now they end with it, as on Ctrl-C."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("needs /proc to list the demo's processes")
+    settings = tiny_settings(
+        methods=["grpo", "opefo"], seeds=[0], warm_start_steps=0, steps=1000, pass_at_k_samples=0, workers=2
+    )
+    command = [sys.executable, "-m", "opefo_trl.demo", *settings_flags(settings), "--output_dir", str(tmp_path)]
+    environment = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    log = tmp_path / "demo.log"  # a file, not a pipe: orphaned workers would hold a pipe open
+    with open(log, "w") as output:
+        demo = subprocess.Popen(command, env=environment, start_new_session=True, stdout=output, stderr=output)
+    try:  # the demo leads a process group of its own: its workers and the resource tracker are in it
+        deadline = time.monotonic() + 300
+        workers = {}
+        while demo.poll() is None and time.monotonic() < deadline:
+            processes = _group_processes(demo.pid)
+            workers = {pid: c for pid, c in processes.items() if "spawn_main" in c}
+            if len(workers) == 2 and any("resource_tracker" in c for c in processes.values()):
+                break
+            time.sleep(0.2)
+        assert len(workers) == 2, (demo.poll(), _group_processes(demo.pid))
+        time.sleep(3)  # into their runs
+        demo.send_signal(signal.SIGTERM)
+        demo.wait(timeout=120)
+        deadline = time.monotonic() + 30
+        while _group_processes(demo.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (_group_processes(demo.pid), demo.returncode) == ({}, 128 + signal.SIGTERM), log.read_text()
+    finally:
+        try:
+            os.killpg(demo.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        demo.wait()
