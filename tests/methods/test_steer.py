@@ -1,0 +1,87 @@
+"""STEER: weights from the size of each token's entropy flow, exp and linear, the floors, over ranks. The weights are
+computed in float64 and returned in float32 (relative rounding 2^-24 = 6e-8): the hand values are met to 1e-6."""
+
+import pytest
+import torch
+from methods_batch import random_batch, run_ranks, split_rows
+
+from opefo_trl.methods import STEER, TokenBatch
+
+
+def flow_batch(flow):
+    flow = torch.tensor(flow, dtype=torch.float64)
+    factor = torch.ones_like(flow)
+    factor[0, -1] = 0  # padding: its flow is outside every max and min
+    return TokenBatch(
+        logps=torch.zeros_like(flow),
+        entropies=torch.ones_like(flow),
+        advantages=torch.ones_like(flow),
+        factor=factor,
+        flow=flow,
+    )
+
+
+@pytest.mark.numerics
+def test_steer_exp_gives_the_largest_change_the_floor_and_no_change_weight_one():
+    # |d| = 0.1, 0.4, 0, 0.2 in the loss: k = -ln 0.8 / 0.4, so w = 0.8 ** (|d| / 0.4).
+    method = STEER(steer_weight_min=0.8)
+    weights = method.rollout_weights(flow_batch([[0.1, -0.4, 0.0, 0.2, 9.0]]))
+    expected = torch.tensor([[0.8**0.25, 0.8, 1.0, 0.8**0.5]], dtype=torch.float64)
+    torch.testing.assert_close(weights[:, :4].double(), expected, rtol=1e-6, atol=0)  # float32 weights: rounding 2^-24 = 6e-8, relative
+    metrics = method.pop_metrics()
+    assert metrics["steer/omega_max"] == pytest.approx(0.4)
+    assert metrics["steer/floor_frac"] == pytest.approx(1 / 4)
+    assert metrics["steer/weight_mean"] == pytest.approx(float(expected.mean()), rel=1e-6)
+
+
+@pytest.mark.numerics
+def test_steer_exp_does_not_stretch_a_batch_of_small_changes_to_the_floor():
+    # Largest |d| 0.01 < floor 0.02: k = -ln 0.8 / 0.02, so w = 0.8 ** (|d| / 0.02).
+    weights = STEER(steer_weight_min=0.8).rollout_weights(flow_batch([[0.01, -0.005, 0.0]]))
+    expected = torch.tensor([[0.8**0.5, 0.8**0.25]], dtype=torch.float64)
+    torch.testing.assert_close(weights[:, :2].double(), expected, rtol=1e-6, atol=0)
+
+
+@pytest.mark.numerics
+def test_steer_linear_maps_the_changes_onto_the_weight_range():
+    # |d| in [0, 0.4] onto [1.2, 0.8]: w = 1.2 - |d|.
+    method = STEER(steer_mapping="linear", steer_weight_min=0.8, steer_weight_max=1.2)
+    weights = method.rollout_weights(flow_batch([[0.1, -0.4, 0.0, 0.2, 9.0]]))
+    expected = torch.tensor([[1.1, 0.8, 1.2, 1.0]], dtype=torch.float64)
+    torch.testing.assert_close(weights[:, :4].double(), expected, rtol=1e-6, atol=0)
+    same = method.rollout_weights(flow_batch([[0.3, -0.3, 0.3]]))  # every change equal: the middle weight
+    torch.testing.assert_close(same[:, :2], torch.full((1, 2), 1.0))
+
+
+def test_steer_over_two_ranks_scales_by_the_union_extremes():
+    batch = random_batch(seed=9, b=6, t=30)
+    for mapping in ("exp", "linear"):
+        whole = STEER(steer_mapping=mapping).rollout_weights(batch)
+        per_rank = run_ranks(
+            lambda part, context, mapping=mapping: STEER(steer_mapping=mapping).rollout_weights(part, context),
+            split_rows(batch, 2),
+        )
+        torch.testing.assert_close(torch.cat(per_rank), whole, rtol=0, atol=0)
+        alone = torch.cat([STEER(steer_mapping=mapping).rollout_weights(part) for part in split_rows(batch, 2)])
+        assert not torch.equal(alone, whole), mapping  # each rank's own extremes differ from the union's
+
+
+def test_steer_needs_the_flow():
+    batch = flow_batch([[0.1, 0.2]])
+    batch.flow = None
+    with pytest.raises(ValueError, match="STEER needs the batch's entropy flow"):
+        STEER().rollout_weights(batch)
+
+
+@pytest.mark.parametrize(
+    "settings, says",
+    [
+        (dict(steer_mapping="cubic"), "Unknown steer_mapping 'cubic'"),
+        (dict(steer_weight_min=0.0), r"steer_weight_min must lie in \(0, 1\]"),
+        (dict(steer_weight_min=0.9, steer_weight_max=0.8), "steer_weight_max must be >= steer_weight_min=0.9"),
+        (dict(steer_omega_floor=0.0), "steer_omega_floor must be > 0"),
+    ],
+)
+def test_steer_settings_are_checked(settings, says):
+    with pytest.raises(ValueError, match=says):
+        STEER(**settings)
