@@ -138,3 +138,37 @@ def test_ce_gppo_refuses_what_its_term_does_not_model_and_warns_on_policy(tmp_pa
         make_config(tmp_path, **off_policy)
     with pytest.raises(ValueError, match=r"ce_gppo_beta1 scales a kept gradient and must lie in \[0, 10\]"):
         CEGPPO(ce_gppo_beta1=-0.1)
+
+
+def test_ce_gppo_trains_off_policy_with_opefo_trainer_and_adds_its_term_on_the_second_update(
+    tiny_model_path, tiny_dataset, length_reward, tmp_path
+):
+    """Two updates on one rollout: the first at ratio 1 clips nothing; on the second, the term TRL's loss gets added
+    is CE-GPPO's for exactly the tokens the clip removes."""
+    from trainer_setup import logged, make_config, make_trainer, spy
+
+    args = make_config(
+        tmp_path, method="ce_gppo", gradient_accumulation_steps=1, steps_per_generation=2,
+        per_device_train_batch_size=4, epsilon=0.01, epsilon_high=0.01, learning_rate=0.05,
+    )  # fmt: skip
+    trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
+    terms = []
+
+    def record(micro_batch_terms, batch, logps, context):
+        result = micro_batch_terms(batch, logps, context)
+        terms.append((batch, result))
+        return result
+
+    spy(trainer.token_method, "micro_batch_terms", record)
+    trainer.train()
+    assert len(terms) == 2
+    (first, first_terms), (second, second_terms) = terms
+    assert first_terms.extra_loss is None and second.old_logps is not None
+    low, high = trainer.token_method.clipped(second)
+    assert (low | high).any()
+    assert torch.equal(second_terms.extra_loss.detach() != 0, torch.zeros_like(low))  # value 0 everywhere
+    fractions = logged(trainer, "ce_gppo/low_frac")
+    assert fractions[0] == 0 and len(fractions) == 2
+    tokens = int(second.in_loss.sum())
+    assert fractions[1] == pytest.approx(int(low.sum()) / tokens)
+    assert logged(trainer, "ce_gppo/high_frac")[1] == pytest.approx(int(high.sum()) / tokens)

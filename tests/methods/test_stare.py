@@ -91,3 +91,41 @@ def test_stare_selection_counts_are_the_ceiling_of_the_share():
 def test_stare_settings_are_checked(settings, says):
     with pytest.raises(ValueError, match=says):
         STARE(**settings)
+
+
+def test_stare_trains_with_opefo_trainer_and_trl_receives_the_weighted_advantages(
+    tiny_model_path, tiny_dataset, length_reward, tmp_path
+):
+    """Two steps with the gate held open (a target above the tiny model's entropy): TRL's loss reads the rollout's
+    advantages times weights that put W on exactly the top-surprisal share of the positive-advantage tokens."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+    from trainer_setup import logged, make_config, make_trainer, spy
+
+    args = make_config(tmp_path, method="stare", stare_target_entropy=100.0, stare_variant="C2", stare_top_ratio=0.2)
+    trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
+    weighed, applied = [], []
+
+    def record_weights(rollout_weights, batch, context):
+        weights = rollout_weights(batch, context)
+        weighed.append((batch, weights))
+        return weights
+
+    def record_loss(finish, call, loss):
+        applied.append(call.inputs["advantages"].clone())
+        return finish(call, loss)
+
+    spy(trainer.token_method, "rollout_weights", record_weights)
+    spy(trainer.micro_batches, "finish", record_loss)
+    trainer.train()
+    assert len(weighed) == len(applied) == 2 and logged(trainer, "stare/gate_on") == [1.0, 1.0]
+    for (batch, weights), advantages in zip(weighed, applied, strict=True):
+        for sign, weight in ((1, 1.1), (-1, 0.9)):
+            group = batch.in_loss & (torch.sign(batch.advantages) == sign)
+            surprisal = -batch.logps[group]
+            top = surprisal >= surprisal.sort(descending=True).values[math.ceil(0.2 * group.sum()) - 1]
+            assert top.any()
+            torch.testing.assert_close(weights[group], torch.where(top, weight, 1.0), rtol=0, atol=0)
+        torch.testing.assert_close(advantages, batch.advantages * weights, rtol=1e-6, atol=0)

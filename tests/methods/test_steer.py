@@ -85,3 +85,39 @@ def test_steer_needs_the_flow():
 def test_steer_settings_are_checked(settings, says):
     with pytest.raises(ValueError, match=says):
         STEER(**settings)
+
+
+@pytest.mark.parametrize("estimate", ["opefo", "param"])
+def test_steer_trains_with_opefo_trainer_and_trl_receives_the_weighted_advantages(
+    estimate, tiny_model_path, tiny_dataset, length_reward, tmp_path
+):
+    """Two steps: the advantages TRL's loss reads are the rollout's times STEER's weights of that rollout, with the
+    flow of the tabular estimate (weights computed in the training forward) and of `param` (its own pass)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+    from trainer_setup import logged, make_config, make_trainer, spy
+
+    args = make_config(tmp_path, method="steer", entropy_flow_estimate=estimate)
+    trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
+    weighed, applied = [], []
+
+    def record_weights(rollout_weights, batch, context):
+        weights = rollout_weights(batch, context)
+        weighed.append((batch, weights))
+        return weights
+
+    def record_loss(finish, call, loss):
+        applied.append(call.inputs["advantages"].clone())
+        return finish(call, loss)
+
+    spy(trainer.token_method, "rollout_weights", record_weights)
+    spy(trainer.micro_batches, "finish", record_loss)
+    trainer.train()
+    assert len(weighed) == len(applied) == 2 and len(logged(trainer, "steer/weight_mean")) == 2
+    for (batch, weights), advantages in zip(weighed, applied, strict=True):
+        assert batch.flow is not None and weights[batch.in_loss].min() < 1
+        expected = STEER().rollout_weights(batch)  # the same rollout, weighed again on its own
+        torch.testing.assert_close(weights, expected, rtol=0, atol=0)
+        torch.testing.assert_close(advantages, batch.advantages * weights, rtol=1e-6, atol=0)
