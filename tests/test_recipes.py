@@ -17,7 +17,19 @@ from opefo_trl.cli.train import main, parse_args
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "recipes")
 MODELS = {"qwen2.5-math-7b": 3000, "qwen3-4b-base": 8000}  # max completion tokens (the paper's setup)
-METHODS = ["opefo", "grpo", "grpo_strict", "entropy_reg", "clip_higher", "clip_cov", "kl_cov", "par", "steer", "stare", "ce_gppo"]
+METHODS = [
+    "opefo",
+    "grpo",
+    "grpo_strict",
+    "entropy_reg",
+    "clip_higher",
+    "clip_cov",
+    "kl_cov",
+    "par",
+    "steer",
+    "stare",
+    "ce_gppo",
+]
 STRICT = {"opefo", "grpo_strict", "par", "steer", "stare"}  # one optimizer update per rollout batch
 TOKEN_METHOD = {m: m for m in ("opefo", "par", "clip_cov", "kl_cov", "steer", "stare", "ce_gppo")}  # others: "grpo"
 ROLLOUT_COMPLETIONS = 32 * 8

@@ -33,6 +33,8 @@ METHOD_DESCRIPTIONS = {
     "opefo": "OPEFO, the paper's `opefo` estimate",
     "clip_cov": "Clip-Cov",
     "par": "PAR (entropy-guided positive-advantage reweighting)",
+    "steer": "STEER (tokens weighted exp(-k |d_t|), floor 0.8, `opefo` flow)",
+    "stare": "STARE (top-10% surprisal positive-advantage tokens x1.1 below entropy 0.3)",
 }
 
 

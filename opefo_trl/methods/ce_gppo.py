@@ -81,8 +81,8 @@ class CEGPPO(TokenMethod):
             )
         if args.importance_sampling_level != "token":
             raise ValueError(
-                f"method='ce_gppo' clips per-token ratios; importance_sampling_level={args.importance_sampling_level!r} "
-                "clips a sequence's. Set importance_sampling_level='token'."
+                "method='ce_gppo' clips per-token ratios; importance_sampling_level="
+                f"{args.importance_sampling_level!r} clips a sequence's. Set importance_sampling_level='token'."
             )
         # TRL multiplies its per-token loss by these; CE-GPPO's extra term is aggregated without them.
         unmodelled = []

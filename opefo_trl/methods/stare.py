@@ -86,9 +86,7 @@ class STARE(TokenMethod):
 
     def rollout_weights(self, batch: TokenBatch, context: MethodContext = SINGLE_PROCESS) -> torch.Tensor:
         in_loss = batch.in_loss
-        sums = context.reduce_sum(
-            torch.stack([(batch.entropies.double() * in_loss).sum(), in_loss.sum().double()])
-        )
+        sums = context.reduce_sum(torch.stack([(batch.entropies.double() * in_loss).sum(), in_loss.sum().double()]))
         entropy = float(sums[0] / sums[1].clamp(min=1))
         gate_on = entropy < self.settings.stare_target_entropy
         share = self.settings.stare_top_ratio

@@ -58,7 +58,8 @@ class STEER(TokenMethod):
                 raise ValueError(f"steer_weight_min must lie in (0, 1]; got {self.steer_weight_min}.")
             if not (math.isfinite(self.steer_weight_max) and self.steer_weight_max >= self.steer_weight_min):
                 raise ValueError(
-                    f"steer_weight_max must be >= steer_weight_min={self.steer_weight_min}; got {self.steer_weight_max}."
+                    f"steer_weight_max must be >= steer_weight_min={self.steer_weight_min}; got "
+                    f"{self.steer_weight_max}."
                 )
             if not (math.isfinite(self.steer_omega_floor) and self.steer_omega_floor > 0):
                 raise ValueError(f"steer_omega_floor must be > 0; got {self.steer_omega_floor}.")
@@ -69,7 +70,8 @@ class STEER(TokenMethod):
     table_rows = (
         (
             "STEER",
-            '`method="steer"` ({defaults}); the size of the entropy change d_t from `entropy_flow_estimate` (`opefo`, `full`, `param`)',
+            '`method="steer"` ({defaults}); the size of the entropy change d_t from `entropy_flow_estimate` '
+            "(`opefo`, `full`, `param`)",
         ),
     )
 

@@ -27,7 +27,7 @@ def test_steer_exp_gives_the_largest_change_the_floor_and_no_change_weight_one()
     method = STEER(steer_weight_min=0.8)
     weights = method.rollout_weights(flow_batch([[0.1, -0.4, 0.0, 0.2, 9.0]]))
     expected = torch.tensor([[0.8**0.25, 0.8, 1.0, 0.8**0.5]], dtype=torch.float64)
-    torch.testing.assert_close(weights[:, :4].double(), expected, rtol=1e-6, atol=0)  # float32 weights: rounding 2^-24 = 6e-8, relative
+    torch.testing.assert_close(weights[:, :4].double(), expected, rtol=1e-6, atol=0)  # float32 weights
     metrics = method.pop_metrics()
     assert metrics["steer/omega_max"] == pytest.approx(0.4)
     assert metrics["steer/floor_frac"] == pytest.approx(1 / 4)
