@@ -43,6 +43,27 @@ def test_ce_gppo_gives_clipped_tokens_the_bounded_scaled_gradient():
     assert method.pop_metrics() == pytest.approx({"ce_gppo/low_frac": 1 / 5, "ce_gppo/high_frac": 1 / 5})
 
 
+def test_ce_gppo_clipped_shares_are_summed_over_two_ranks():
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from methods_batch import random_batch, run_ranks, split_rows
+
+    batch = random_batch(seed=11, b=6, t=20, old_shift=lambda g, b, t: torch.randn(b, t, generator=g) * 0.5)
+    whole = CEGPPO(epsilon_low=0.2, epsilon_high=0.2)
+    whole.micro_batch_terms(batch, batch.logps)
+    expected = whole.pop_metrics()
+    assert expected["ce_gppo/low_frac"] > 0 and expected["ce_gppo/high_frac"] > 0
+
+    def rank(part, context):
+        method = CEGPPO(epsilon_low=0.2, epsilon_high=0.2)
+        method.micro_batch_terms(part, part.logps, context)
+        return method.pop_metrics()
+
+    for metrics in run_ranks(rank, split_rows(batch, 2)):
+        assert metrics == pytest.approx(expected, rel=1e-12)
+
+
 def test_ce_gppo_is_inert_on_policy():
     batch = hand_batch()
     batch.old_logps = None  # ratio 1
