@@ -105,7 +105,6 @@ def test_recipe_parses_with_the_papers_settings(model, method):
         assert (args.stare_weight_positive, args.stare_weight_negative) == (1.1, 0.9)
     if method == "ce_gppo":  # the CE-GPPO scripts: clip 0.2 on both sides, beta1 0.75, beta2 1
         assert (args.ce_gppo_beta1, args.ce_gppo_beta2) == (0.75, 1.0)
-        assert not args.vllm_importance_sampling_correction
     if method == "par":
         assert (args.par_coef, args.par_coef_init, args.par_entropy_target, args.par_coef_step) == (
             None,

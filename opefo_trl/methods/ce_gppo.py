@@ -29,8 +29,9 @@ class CEGPPO(TokenMethod):
     negative-advantage tokens below 1 - eps_low get the gradient of beta1 (1 - eps_low) A log pi, positive-advantage
     tokens above 1 + eps_high that of beta2 (1 + eps_high) A log pi; every other token is left to TRL's loss.
 
-    The term is an extra per-token loss of value 0 (``c A (log pi - sg(log pi))``), aggregated like TRL's policy loss.
-    Strictly on-policy the ratio is 1, nothing is clipped and CE-GPPO is plain GRPO.
+    The term is a per-token loss of value 0, -c A (log pi - sg(log pi)), weighted by each token's factor f_t like TRL's
+    own policy gradient (``TokenTerms.factor_loss``: normalisation, masks, vLLM importance ratio). Strictly on-policy
+    the ratio is 1, nothing is clipped and CE-GPPO is plain GRPO.
     """
 
     @dataclass
@@ -72,8 +73,7 @@ class CEGPPO(TokenMethod):
 
     @classmethod
     def check_config(cls, args: Any) -> None:
-        """PPO's clipped loss types only, token-level ratios, no per-token factor the extra term would not carry;
-        warns that it is inert strictly on-policy."""
+        """PPO's clipped loss types only, token-level ratios; warns that it is inert strictly on-policy."""
         if args.loss_type not in PPO_CLIP_LOSS_TYPES:
             raise ValueError(
                 f"method='ce_gppo' changes the gradient of the tokens PPO's clip removes, but loss_type="
@@ -83,19 +83,6 @@ class CEGPPO(TokenMethod):
             raise ValueError(
                 "method='ce_gppo' clips per-token ratios; importance_sampling_level="
                 f"{args.importance_sampling_level!r} clips a sequence's. Set importance_sampling_level='token'."
-            )
-        # TRL multiplies its per-token loss by these; CE-GPPO's extra term is aggregated without them.
-        unmodelled = []
-        if args.top_entropy_quantile < 1.0:
-            unmodelled.append(f"top_entropy_quantile={args.top_entropy_quantile} (set 1.0)")
-        if args.off_policy_mask_threshold is not None:
-            unmodelled.append(f"off_policy_mask_threshold={args.off_policy_mask_threshold} (set None)")
-        if args.use_vllm and args.vllm_importance_sampling_correction:
-            unmodelled.append("vllm_importance_sampling_correction=True with use_vllm (set it False)")
-        if unmodelled:
-            raise ValueError(
-                "method='ce_gppo' does not model TRL's per-token loss factors "
-                f"{', '.join(unmodelled)}: its kept gradient would miss them."
             )
         if not off_policy_reasons(args):
             warnings.warn(
@@ -126,7 +113,6 @@ class CEGPPO(TokenMethod):
         counts = context.reduce_sum(torch.stack([low.sum(), high.sum(), batch.in_loss.sum()]).double())
         tokens = float(counts[2].clamp(min=1))
         self.metrics = {"ce_gppo/low_frac": float(counts[0]) / tokens, "ce_gppo/high_frac": float(counts[1]) / tokens}
-        if not (low.any() or high.any()):
-            return TokenTerms()
-        # Value 0, gradient -scale * A * grad log pi: the clipped token's gradient, which TRL's clip zeroed.
-        return TokenTerms(extra_loss=-scale * batch.advantages.to(logps.dtype) * (logps - logps.detach()))
+        # Value 0, gradient -scale * A * grad log pi: the clipped token's gradient, which TRL's clip zeroed. Returned
+        # also when nothing is clipped, so every rank computes the same factors (TRL's entropy mask is a collective).
+        return TokenTerms(factor_loss=-scale * batch.advantages.to(logps.dtype) * (logps - logps.detach()))
