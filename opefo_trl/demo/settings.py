@@ -94,6 +94,12 @@ def demo_methods(entropy_coef: float) -> dict[str, DemoMethod]:
             {"method": "grpo", "use_adaptive_entropy": True, "entropy_target": START_ENTROPY},
         ),
         DemoMethod(
+            # STARE's default target (0.3 nats, for 7B models) lies far below the demo's entropy: its gate never opens.
+            "stare_start",
+            "STARE, target the warm start's entropy (the gate opens while entropy is below it)",
+            {"method": "stare", "stare_target_entropy": START_ENTROPY},
+        ),
+        DemoMethod(
             "opefo_param",
             "OPEFO, `param`, the paper's per-batch balance",
             {"method": "opefo", "entropy_flow_estimate": "param"},
