@@ -185,23 +185,26 @@ def test_ce_gppo_trains_off_policy_with_opefo_trainer_and_adds_its_term_on_the_s
 
     def record(micro_batch_terms, batch, logps, context):
         result = micro_batch_terms(batch, logps, context)
-        terms.append((batch, result))
+        terms.append((batch, result, logps))
         return result
 
-    def record_loss(finish, call, loss):
-        added.append(call.factor_loss)
+    def record_loss(finish, call, loss):  # the added term's gradient in log pi, before the backward frees its graph
+        logps = terms[-1][2]
+        added.append(torch.autograd.grad(call.factor_loss.sum(), logps, retain_graph=True)[0])
         return finish(call, loss)
 
     spy(trainer.token_method, "micro_batch_terms", record)
     spy(trainer.micro_batches, "finish", record_loss)
     trainer.train()
     assert len(terms) == len(added) == 2
-    (first, _), (second, second_terms) = terms
+    (first, _, _), (second, _, _) = terms
     assert not any(mask.any() for mask in trainer.token_method.clipped(first))  # ratio 1 on the first update
+    assert torch.count_nonzero(added[0]) == 0
     low, high = trainer.token_method.clipped(second)
     assert (low | high).any()
-    torch.testing.assert_close(added[1], second_terms.factor_loss * second.factor, rtol=0, atol=0)
-    assert torch.count_nonzero(added[1].detach()) == 0  # value 0: TRL's loss value unchanged
+    # -d/dlog pi of the added term: beta (1 -/+ eps) A f_t on the clipped tokens (defaults 0.75 and 1, eps 0.01).
+    kept = low * 0.75 * (1 - 0.01) + high * 1.0 * (1 + 0.01)
+    torch.testing.assert_close(added[1], -kept * second.advantages * second.factor, rtol=1e-6, atol=0)
     fractions = logged(trainer, "ce_gppo/low_frac")
     assert fractions[0] == 0 and len(fractions) == 2
     tokens = int(second.in_loss.sum())
