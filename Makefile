@@ -102,7 +102,8 @@ demo: install
 # The README's tables: the comparison's methods x the 16 seeds docs/demo.md pre-registers from its power analysis,
 # under two floating-point settings (the cross-machine proxy: 1 torch thread with the default MKL kernels, and with
 # MKL_CBWR=COMPATIBLE, in a process of its own).
-DEMO_FULL_METHODS ?= grpo opefo opefo_param_step entropy_reg opefo_param_step_task opefo_param_step_setpoint entropy_adaptive
+DEMO_FULL_METHODS ?= grpo opefo opefo_param_step entropy_reg opefo_param_step_task opefo_param_step_setpoint entropy_adaptive \
+	steer stare_start
 demo-full: install
 	$(PY) -m opefo_trl.demo --output_dir $(DEMO_OUT)-full --seeds $(shell seq 0 15) --methods $(DEMO_FULL_METHODS) \
 		--numerics threads1 mkl_compatible $(DEMO_ARGS)

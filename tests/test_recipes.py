@@ -17,9 +17,21 @@ from opefo_trl.cli.train import main, parse_args
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "recipes")
 MODELS = {"qwen2.5-math-7b": 3000, "qwen3-4b-base": 8000}  # max completion tokens (the paper's setup)
-METHODS = ["opefo", "grpo", "grpo_strict", "entropy_reg", "clip_higher", "clip_cov", "kl_cov", "par"]
-STRICT = {"opefo", "grpo_strict", "par"}  # one optimizer update per rollout batch
-TOKEN_METHOD = {"opefo": "opefo", "par": "par", "clip_cov": "clip_cov", "kl_cov": "kl_cov"}  # others: "grpo"
+METHODS = [
+    "opefo",
+    "grpo",
+    "grpo_strict",
+    "entropy_reg",
+    "clip_higher",
+    "clip_cov",
+    "kl_cov",
+    "par",
+    "steer",
+    "stare",
+    "ce_gppo",
+]
+STRICT = {"opefo", "grpo_strict", "par", "steer", "stare"}  # one optimizer update per rollout batch
+TOKEN_METHOD = {m: m for m in ("opefo", "par", "clip_cov", "kl_cov", "steer", "stare", "ce_gppo")}  # others: "grpo"
 ROLLOUT_COMPLETIONS = 32 * 8
 MODEL_KEYS = {
     "model_name_or_path",
@@ -79,12 +91,20 @@ def test_recipe_parses_with_the_papers_settings(model, method):
     assert (args.temperature, args.beta, args.loss_type) == (1.0, 0.0, "dapo")
     assert args.entropy_coef == (1e-3 if method == "entropy_reg" else 0.0)
     # Clip-Cov: the authors' eps_low = eps_high = 1; KL-Cov: no PPO clipping at all.
-    assert args.epsilon_high == {"clip_higher": 0.28, "clip_cov": 1.0, "kl_cov": 1e9}.get(method)
+    assert args.epsilon_high == {"clip_higher": 0.28, "clip_cov": 1.0, "kl_cov": 1e9, "ce_gppo": 0.2}.get(method)
     assert args.epsilon == {"clip_cov": 1.0, "kl_cov": 1e9}.get(method, 0.2)
     if method == "clip_cov":
         assert (args.clip_cov_ratio, args.clip_cov_lb, args.clip_cov_ub) == (2e-4, 1.0, 5.0)
     if method == "kl_cov":
         assert (args.kl_cov_ratio, args.kl_cov_coef) == (2e-3, 1.0)
+    if method == "steer":
+        assert (args.steer_mapping, args.steer_weight_min, args.steer_omega_floor) == ("exp", 0.8, 0.02)
+        assert args.entropy_flow_estimate == "opefo"
+    if method == "stare":
+        assert (args.stare_variant, args.stare_top_ratio, args.stare_target_entropy) == ("O1", 0.1, 0.3)
+        assert (args.stare_weight_positive, args.stare_weight_negative) == (1.1, 0.9)
+    if method == "ce_gppo":  # the CE-GPPO scripts: clip 0.2 on both sides, beta1 0.75, beta2 1
+        assert (args.ce_gppo_beta1, args.ce_gppo_beta2) == (0.75, 1.0)
     if method == "par":
         assert (args.par_coef, args.par_coef_init, args.par_entropy_target, args.par_coef_step) == (
             None,
@@ -143,6 +163,9 @@ METHOD_METRICS = {
     "par": ["par/coef", "par/entropy"],
     "clip_cov": ["clip_cov/dropped_frac"],
     "kl_cov": ["kl_cov/penalised_frac"],
+    "steer": ["steer/weight_mean", "steer/floor_frac", "steer/omega_max"],
+    "stare": ["stare/gate_on", "stare/entropy", "stare/positive_frac", "stare/negative_frac"],
+    "ce_gppo": ["ce_gppo/low_frac", "ce_gppo/high_frac"],
     "entropy_reg": ["entropy_coef"],
 }
 FLOW_METRICS = [

@@ -33,6 +33,8 @@ METHOD_DESCRIPTIONS = {
     "opefo": "OPEFO, the paper's `opefo` estimate",
     "clip_cov": "Clip-Cov",
     "par": "PAR (entropy-guided positive-advantage reweighting)",
+    "steer": "STEER (tokens weighted exp(-k |d_t|), floor 0.8, `opefo` flow)",
+    "stare": "STARE (top-10% surprisal positive-advantage tokens x1.1 below entropy 0.3)",
 }
 
 
@@ -90,6 +92,12 @@ def demo_methods(entropy_coef: float) -> dict[str, DemoMethod]:
             "entropy_adaptive",
             "GRPO + TRL's adaptive entropy bonus, target the warm start's entropy (`use_adaptive_entropy`)",
             {"method": "grpo", "use_adaptive_entropy": True, "entropy_target": START_ENTROPY},
+        ),
+        DemoMethod(
+            # STARE's default target (0.3 nats, for 7B models) lies far below the demo's entropy: its gate never opens.
+            "stare_start",
+            "STARE, target the warm start's entropy (the gate opens while entropy is below it)",
+            {"method": "stare", "stare_target_entropy": START_ENTROPY},
         ),
         DemoMethod(
             "opefo_param",

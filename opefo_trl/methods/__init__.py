@@ -45,6 +45,9 @@ from opefo_trl.methods.opefo import OPEFO, REGIME_GUARD
 from opefo_trl.methods.par import PAR
 from opefo_trl.methods.clip_cov import ClipCov, covariance_scores
 from opefo_trl.methods.kl_cov import KLCov
+from opefo_trl.methods.steer import STEER
+from opefo_trl.methods.stare import STARE
+from opefo_trl.methods.ce_gppo import CEGPPO
 # isort: on
 
 #: ``OPEFOConfig``'s default ``method``, first in the methods table.
@@ -102,11 +105,14 @@ def methods_table(methods: Iterable[type[TokenMethod]] | None = None) -> str:
 
 __all__ = [
     "BUILTIN_METHODS",
+    "CEGPPO",
     "DEFAULT_METHOD",
     "GRPO",
     "OPEFO",
     "PAR",
     "REGIME_GUARD",
+    "STARE",
+    "STEER",
     "SINGLE_PROCESS",
     "TOKEN_METHODS",
     "ClipCov",

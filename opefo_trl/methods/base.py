@@ -76,10 +76,16 @@ class TokenBatch:
 
 @dataclass
 class TokenTerms:
-    """What a method contributes to one micro-batch's loss: advantage weights and/or an extra per-token loss."""
+    """What a method contributes to one micro-batch's loss: advantage weights and/or an extra per-token loss.
+
+    ``extra_loss`` is aggregated like TRL's policy loss (its mask and normaliser). ``factor_loss`` is weighted by each
+    token's factor f_t at the current parameters, the weight TRL's loss gives A_t grad log pi_t (also the off-policy
+    and high-entropy masks and the vLLM importance ratio): a term that changes the policy gradient itself (CE-GPPO's).
+    """
 
     weights: torch.Tensor | None = None
     extra_loss: torch.Tensor | None = None
+    factor_loss: torch.Tensor | None = None
 
 
 @dataclass

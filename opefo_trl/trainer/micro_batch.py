@@ -33,6 +33,7 @@ class LossCall:
         self.state: MicroBatchState | None = inputs.get(STATE_KEY)
         self.needs_vocab_stats = weigher.needs_vocab_stats(self.state)
         self.extra_loss: torch.Tensor | None = None
+        self.factor_loss: torch.Tensor | None = None  # per token, already weighted by f_t (times the ranks)
         self.weighted = False  # the deferred rollout weights were applied
         self.entropies_before: torch.Tensor | None = None  # for the audit
         self.logps: torch.Tensor | None = None  # TRL's scored log pi_t, attached, and the factor used for them
@@ -126,6 +127,9 @@ class MicroBatchWeigher:
         terms = self.method.micro_batch_terms(batch, logps, self.context)
         if terms.weights is not None:
             advantages = advantages * terms.weights
+        if terms.factor_loss is not None:  # f_t at the current parameters: TRL's masks read this forward's ratio
+            now = factor if state is None or deferred else self.loss.factor(inputs, logps_detached, entropies, original)
+            call.factor_loss = terms.factor_loss * now * self.loss.num_processes  # DDP averages the ranks' losses
         inputs["advantages"] = advantages
         call.extra_loss, call.logps, call.factor = terms.extra_loss, logps, factor
         if unit is not None and self.diagnostics:
@@ -141,7 +145,7 @@ class MicroBatchWeigher:
             call.entropies_before = entropies
 
     def finish(self, call: LossCall, loss: torch.Tensor) -> torch.Tensor:
-        """TRL's loss plus the method's extra per-token loss, aggregated like TRL's policy loss."""
+        """TRL's loss plus the method's extra per-token losses (aggregated like TRL's loss, or weighted by f_t)."""
         if call.state is not None and call.state.deferred and not call.weighted:
             raise RuntimeError(
                 "OPEFOTrainer: the rollout weights were deferred to the training forward but never applied; the loss "
@@ -153,6 +157,8 @@ class MicroBatchWeigher:
         call.logps = None
         if call.extra_loss is not None:
             loss = loss + self.loss.aggregate(call.extra_loss, call.inputs)
+        if call.factor_loss is not None:
+            loss = loss + call.factor_loss.sum()
         if call.state is not None and call.state.gradient is not None:  # the rollout's whole gradient, written once
             for p, g in zip(self.params(), call.state.gradient, strict=True):
                 p.grad = g if p.grad is None else p.grad.add_(g)

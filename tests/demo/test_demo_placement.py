@@ -70,7 +70,11 @@ def test_measuring_leaves_the_run_as_it_would_be_and_logs_the_start_and_every_kt
 def test_an_entropy_setpoint_method_gets_the_warm_start_s_entropy(tmp_path, tiny_settings):
     settings = tiny_settings()
     methods = demo_methods(settings.entropy_coef)
-    for name, field in (("opefo_param_step_setpoint", "opefo_entropy_target"), ("entropy_adaptive", "entropy_target")):
+    for name, field in (
+        ("opefo_param_step_setpoint", "opefo_entropy_target"),
+        ("entropy_adaptive", "entropy_target"),
+        ("stare_start", "stare_target_entropy"),
+    ):
         assert methods[name].config[field] == START_ENTROPY
         config = build_config(methods[name], 0, str(tmp_path), settings, list(range(18, 28)), start_entropy=2.2)
         assert getattr(config, field) == 2.2 and config.entropy_flow_task_tokens == list(range(18, 28))

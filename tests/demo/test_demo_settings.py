@@ -22,7 +22,7 @@ def test_task_defaults_and_quick_budget():
 
 def test_methods_of_make_demo_and_behind_the_flag():
     assert DemoSettings().methods == ["grpo", "opefo", "opefo_param_step", "entropy_reg"]
-    assert set(METHOD_NAMES) >= {"opefo_param", "opefo_full", "clip_cov", "par"}
+    assert set(METHOD_NAMES) >= {"opefo_param", "opefo_full", "clip_cov", "par", "steer", "stare", "stare_start"}
     methods = demo_methods(DemoSettings().entropy_coef)
     assert methods["entropy_reg"].config == {"method": "grpo", "entropy_coef": 1e-3}  # the literature's default
     assert methods["opefo_param_step"].config == {

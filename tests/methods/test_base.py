@@ -26,8 +26,9 @@ from opefo_trl.methods import (
 
 
 def test_registry_lists_every_method_and_unknown_names_list_the_valid_ones():
-    assert set(TOKEN_METHODS) >= {"grpo", "opefo", "par", "clip_cov", "kl_cov"}
-    with pytest.raises(ValueError, match=r"Unknown method 'opfeo'\. Valid methods: clip_cov, grpo, kl_cov, opefo, par"):
+    assert set(TOKEN_METHODS) >= {"grpo", "opefo", "par", "clip_cov", "kl_cov", "steer", "stare", "ce_gppo"}
+    valid = "ce_gppo, clip_cov, grpo, kl_cov, opefo, par, stare, steer"
+    with pytest.raises(ValueError, match=rf"Unknown method 'opfeo'\. Valid methods: {valid}"):
         build_token_method("opfeo")
 
 

@@ -128,7 +128,16 @@ def test_a_built_in_method_is_one_class_and_its_registration():
 
     from opefo_trl.methods import BUILTIN_METHODS, TOKEN_METHODS
 
-    assert [m.name for m in BUILTIN_METHODS] == ["grpo", "opefo", "par", "clip_cov", "kl_cov"]
+    assert [m.name for m in BUILTIN_METHODS] == [
+        "grpo",
+        "opefo",
+        "par",
+        "clip_cov",
+        "kl_cov",
+        "steer",
+        "stare",
+        "ce_gppo",
+    ]
     assert all(TOKEN_METHODS[m.name] is m for m in BUILTIN_METHODS)
     fields = {f.name: f for f in dataclasses.fields(OPEFOConfig)}
     for method in BUILTIN_METHODS:  # its settings are options of OPEFOConfig, with their defaults and help
