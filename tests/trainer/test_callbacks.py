@@ -90,6 +90,7 @@ def test_the_run_folder_hears_of_each_checkpoint_before_and_after_it_is_saved(tm
     callback.on_step_end(None, state, control)  # named before Trainer writes it
     assert read_manifest(run.output_dir) == ["README.md", "checkpoint-3"]
     (tmp_path / "run" / "checkpoint-3").mkdir()
-    callback.on_save(None, state, control)  # the manifest as the folder is
-    assert read_manifest(run.output_dir) == ["checkpoint-3"]
+    (tmp_path / "run" / "notes.txt").write_text("a user's")
+    callback.on_save(None, state, control)  # what the run declared, never what appeared beside it
+    assert read_manifest(run.output_dir) == ["README.md", "checkpoint-3"]
     run.close(failed=False)
