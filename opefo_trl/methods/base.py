@@ -214,6 +214,21 @@ class TokenMethod:
         pass
 
 
+class ClipRangeMethod(TokenMethod):
+    """A token method that also reads TRL's PPO clip range: ``epsilon_low`` / ``epsilon_high`` are TRL's ``epsilon``
+    and ``epsilon_high`` (Clip-Cov, CE-GPPO)."""
+
+    def __init__(self, settings=None, *, epsilon_low: float = 0.2, epsilon_high: float = 0.2, **values) -> None:
+        super().__init__(settings, **values)
+        self.epsilon_low, self.epsilon_high = epsilon_low, epsilon_high
+
+    @classmethod
+    def from_config(cls, config) -> TokenMethod:
+        # TRL leaves epsilon_high None to mean "same as epsilon".
+        epsilon_high = config.epsilon if config.epsilon_high is None else config.epsilon_high
+        return cls(cls.settings_from(config), epsilon_low=config.epsilon, epsilon_high=epsilon_high)
+
+
 def class_name(cls: type) -> str:
     """How code names a class: ``OPEFO.Settings`` for a nested one, without a function's ``<locals>`` prefix."""
     return cls.__qualname__.rsplit("<locals>.", 1)[-1]

@@ -10,9 +10,9 @@ import torch
 
 from opefo_trl.methods.base import (
     SINGLE_PROCESS,
+    ClipRangeMethod,
     MethodContext,
     TokenBatch,
-    TokenMethod,
     TokenTerms,
     off_policy_reasons,
     register_token_method,
@@ -24,7 +24,7 @@ PPO_CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
 @register_token_method("ce_gppo")
-class CEGPPO(TokenMethod):
+class CEGPPO(ClipRangeMethod):
     """CE-GPPO: a token PPO's clip removes from the gradient keeps one of fixed size. With r the ratio,
     negative-advantage tokens below 1 - eps_low get the gradient of beta1 (1 - eps_low) A log pi, positive-advantage
     tokens above 1 + eps_high that of beta2 (1 + eps_high) A log pi; every other token is left to TRL's loss.
@@ -58,18 +58,6 @@ class CEGPPO(TokenMethod):
     settings: Settings
     summary = "keeps a bounded gradient of the tokens PPO's clip removes"
     table_rows = (("CE-GPPO", '`method="ce_gppo"` ({defaults}; acts only off-policy, as Clip-higher; warned)'),)
-
-    def __init__(
-        self, settings: Settings | None = None, *, epsilon_low: float = 0.2, epsilon_high: float = 0.2, **values
-    ) -> None:
-        super().__init__(settings, **values)
-        self.epsilon_low, self.epsilon_high = epsilon_low, epsilon_high
-
-    @classmethod
-    def from_config(cls, config) -> CEGPPO:
-        # TRL leaves epsilon_high None to mean "same as epsilon".
-        epsilon_high = config.epsilon if config.epsilon_high is None else config.epsilon_high
-        return cls(cls.settings_from(config), epsilon_low=config.epsilon, epsilon_high=epsilon_high)
 
     @classmethod
     def check_config(cls, args: Any) -> None:

@@ -9,9 +9,9 @@ import torch
 
 from opefo_trl.methods.base import (
     SINGLE_PROCESS,
+    ClipRangeMethod,
     MethodContext,
     TokenBatch,
-    TokenMethod,
     TokenTerms,
     register_token_method,
     setting,
@@ -35,7 +35,7 @@ def count_of(fraction: float, n_valid: torch.Tensor) -> int:
 
 
 @register_token_method("clip_cov")
-class ClipCov(TokenMethod):
+class ClipCov(ClipRangeMethod):
     """Clip-Cov: drop the gradient of a few random tokens whose covariance score lies in (lb, ub).
 
     ``max(1, int(ratio * n))`` tokens (n: tokens in the loss) are picked uniformly among the tokens in the loss that
@@ -60,18 +60,6 @@ class ClipCov(TokenMethod):
     settings: Settings
     summary = "drops the gradient of a few tokens of high covariance"
     table_rows = (("Clip-Cov", '`method="clip_cov"` ({defaults})'),)
-
-    def __init__(
-        self, settings: Settings | None = None, *, epsilon_low: float = 0.2, epsilon_high: float = 0.2, **values
-    ) -> None:
-        super().__init__(settings, **values)
-        self.epsilon_low, self.epsilon_high = epsilon_low, epsilon_high
-
-    @classmethod
-    def from_config(cls, config) -> ClipCov:
-        # TRL leaves epsilon_high None to mean "same as epsilon".
-        epsilon_high = config.epsilon if config.epsilon_high is None else config.epsilon_high
-        return cls(cls.settings_from(config), epsilon_low=config.epsilon, epsilon_high=epsilon_high)
 
     def ppo_clipped(self, batch: TokenBatch) -> torch.Tensor:
         """Tokens whose gradient PPO's clip already removes (ratio outside the trust region, clipped direction)."""
