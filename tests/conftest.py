@@ -139,6 +139,29 @@ def write_checkpoint():
     return _write_checkpoint
 
 
+@pytest.fixture
+def saved_run(tmp_path, write_checkpoint):
+    """A run folder of ours (`opefo_trl.runs`) with checkpoints 2 and 4, metrics, a final model (all in its
+    manifest), an opefo-eval folder of its own and a hidden file."""
+    import torch
+    from safetensors.torch import save_file
+
+    from opefo_trl.runs import record_in_manifest
+
+    folder = tmp_path / "run"
+    for step in (2, 4):
+        write_checkpoint(folder, step)
+    (folder / "metrics.jsonl").write_text('{"step": 1}\n')
+    (folder / "metrics.rank1.jsonl").write_text('{"step": 1}\n')
+    save_file({"a": torch.zeros(2)}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text("{}")
+    record_in_manifest(str(folder), ["metrics.jsonl", "metrics.rank1.jsonl", "model.safetensors", "config.json"])
+    (folder / "eval").mkdir()
+    (folder / "eval" / "samples.jsonl").write_text("{}\n")
+    (folder / ".keep").write_text("hidden")
+    return folder
+
+
 # The demo's smallest budget that still runs every stage of the real code path and learns something: a tiny model
 # warm-started until it writes digits (so rewards, advantages and flows are not all zero), 2 RL steps per run at the
 # full learning rate (`--quick true` halves the warm start and keeps at least 2 RL steps), 4 held-out samples.

@@ -332,14 +332,6 @@ def check_steps_left(checkpoint: str, planned_steps: int) -> None:
         )
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Saving: whole or removed
-# ----------------------------------------------------------------------------------------------------------------------
-
-
 @contextmanager
 def reported_write_errors(folder: str, what: str, writer: bool = True) -> Iterator[None]:
     """Around writing ``folder`` (a checkpoint, the final model): if it fails, the folder is removed (``writer``:
@@ -374,6 +366,37 @@ def reported_write_errors(folder: str, what: str, writer: bool = True) -> Iterat
 
 
 @contextmanager
+def _transformers_rotation_held_back(run_dir: str) -> Iterator[None]:
+    """Skip the rotation ``Trainer._save_checkpoint`` ends with (``transformers.trainer.rotate_checkpoints``, which
+    deletes checkpoints beyond ``save_total_limit``) for ``run_dir`` while this block runs: at that point the new
+    checkpoint has no method state and no marker yet, so a whole checkpoint could be deleted for one that is not.
+    Rotations of other folders go through. The `TrainingArguments` are left as they are (their ``save_total_limit``
+    is also what the checkpoint's ``training_args.bin`` records)."""
+    import transformers.trainer as trainer_module
+
+    rotate = getattr(trainer_module, "rotate_checkpoints", None)
+    if rotate is None:  # checked before the save writes anything
+        import transformers
+
+        raise RuntimeError(
+            f"transformers {transformers.__version__} has no transformers.trainer.rotate_checkpoints, the call with "
+            "which Trainer._save_checkpoint deletes old checkpoints; opefo_trl holds it back until a new checkpoint "
+            "is whole, and cannot save a checkpoint safely without it. Install the transformers release that TRL's "
+            "tested range (opefo_trl._compat.TRL_TESTED) asks for."
+        )
+
+    def rotate_other_folders(output_dir: str, *args: Any, **kwargs: Any) -> None:
+        if os.path.realpath(output_dir) != os.path.realpath(run_dir):
+            rotate(output_dir, *args, **kwargs)
+
+    trainer_module.rotate_checkpoints = rotate_other_folders
+    try:
+        yield
+    finally:
+        trainer_module.rotate_checkpoints = rotate
+
+
+@contextmanager
 def saving_checkpoint(
     run_dir: str,
     args: Any,
@@ -385,13 +408,14 @@ def saving_checkpoint(
     ``<run_dir>/checkpoint-<global_step>`` ends up whole, or removed.
 
     Before the Trainer's files: a folder of the same step (a save that did not finish, or a step replayed after an
-    earlier resume) is removed, and the rotation of old checkpoints (``save_total_limit``) is held back, so that no
-    whole checkpoint is deleted before the new one is. After them (every process done): the token method's state
-    (``method_state()``: its name and ``state_dict()``), the completion marker, then the rotation. A failed save is
+    earlier resume) is removed, and the Trainer's rotation of old checkpoints (``save_total_limit``) is held back
+    (:func:`_transformers_rotation_held_back`), so that no whole checkpoint is deleted before the new one is. After
+    them (every process done): the token method's state (``method_state()``: its name and ``state_dict()``), the
+    completion marker, then the rotation, with ``args.save_total_limit``. ``args`` is only read. A failed save is
     handled by :func:`reported_write_errors`.
     """
     folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-    writer, limit = args.should_save, args.save_total_limit
+    writer = args.should_save
     if writer and os.path.lexists(folder):
         try:
             remove_entry(folder)
@@ -402,27 +426,17 @@ def saving_checkpoint(
                 "remove it, then run the command again."
             ) from err
     wait_for_everyone()  # removed before any process writes into it
-    args.save_total_limit = None
-    try:
-        with reported_write_errors(folder, "checkpoint", writer):
-            yield
-            wait_for_everyone()
-            if writer:
-                save_method_state(folder, *method_state())
-                save_run_options(folder, args)
-                mark_checkpoint_complete(folder)
-    finally:
-        args.save_total_limit = limit
+    with _transformers_rotation_held_back(run_dir), reported_write_errors(folder, "checkpoint", writer):
+        yield
+        wait_for_everyone()
+        if writer:
+            save_method_state(folder, *method_state())
+            save_run_options(folder, args)
+            mark_checkpoint_complete(folder)
     if writer:
-        rotate_checkpoints(run_dir, limit, best_model_checkpoint=state.best_model_checkpoint, use_mtime=True)
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# The token method's state in a checkpoint
-# ----------------------------------------------------------------------------------------------------------------------
+        rotate_checkpoints(
+            run_dir, args.save_total_limit, best_model_checkpoint=state.best_model_checkpoint, use_mtime=True
+        )
 
 
 def save_method_state(checkpoint: str, method: str, state: dict) -> None:
@@ -447,6 +461,3 @@ def load_method_state(checkpoint: str, method: str) -> dict | None:
             "resume_from_checkpoint."
         )
     return saved["state"]
-
-
-# ----------------------------------------------------------------------------------------------------------------------

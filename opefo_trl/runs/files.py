@@ -89,9 +89,6 @@ def write_json_atomically(path: str, content: Any) -> None:
     fsync_dir(folder)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-
-
 def remove_entry(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)

@@ -49,11 +49,6 @@ except ImportError:  # Windows: no flock, so runs are not locked there
 logger = logging.getLogger(__name__)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# The manifest: what runs of opefo-train wrote into an output_dir
-# ----------------------------------------------------------------------------------------------------------------------
-
-
 def read_manifest(output_dir: str) -> list[str] | None:
     """The entries the manifest of ``output_dir`` lists (None when it has none)."""
     path = os.path.join(output_dir, MANIFEST_NAME)
@@ -119,14 +114,6 @@ def foreign_entries(output_dir: str) -> list[str]:
             continue
         foreign.append(name)
     return foreign
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# One run per folder: the lock
-# ----------------------------------------------------------------------------------------------------------------------
 
 
 def _read_holder(fd: int) -> dict | None:
@@ -248,14 +235,6 @@ class RunLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Overwrite: set aside, then delete once the new run has saved something, or move back
-# ----------------------------------------------------------------------------------------------------------------------
 
 
 def _set_aside(output_dir: str) -> list[str]:
@@ -428,6 +407,3 @@ class RunFolder:
             self.lock.release()
             if self._created and os.path.isdir(self.output_dir) and not os.listdir(self.output_dir):
                 os.rmdir(self.output_dir)
-
-
-# ----------------------------------------------------------------------------------------------------------------------
