@@ -166,10 +166,10 @@ def test_a_whole_checkpoint_passes(saved_run):
     check_checkpoint(str(saved_run / "checkpoint-4"), method="opefo")
 
 
-def _trainer_save(run_dir, step, fail_after=None, error=None, limit=None):
+def _trainer_save(run_dir, step, args=None, fail_after=None, error=None):
     """What Trainer._save_checkpoint writes, in its order, then its rotation (``transformers.trainer``'s
-    ``rotate_checkpoints`` with ``save_total_limit=limit``, looked up when called, as the Trainer does); raises
-    ``error`` after the file ``fail_after``."""
+    ``rotate_checkpoints``, looked up when called, with ``args.save_total_limit`` as it is then, as the Trainer does);
+    raises ``error`` after the file ``fail_after``."""
 
     def save():
         folder = os.path.join(run_dir, f"checkpoint-{step}")
@@ -185,7 +185,10 @@ def _trainer_save(run_dir, step, fail_after=None, error=None, limit=None):
                 raise error
             write(os.path.join(folder, name))
         transformers.trainer.rotate_checkpoints(
-            output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=None, use_mtime=True
+            output_dir=run_dir,
+            save_total_limit=None if args is None else args.save_total_limit,
+            best_model_checkpoint=None,
+            use_mtime=True,
         )
 
     return save
@@ -198,7 +201,7 @@ def _args(limit=None):
 def _save(run_dir, step, method="par", limit=None, **failure):
     args, state = _args(limit), SimpleNamespace(global_step=step, best_model_checkpoint=None)
     with saving_checkpoint(str(run_dir), args, state, lambda: (method, {"coef": 0.1 * step}), lambda: None):
-        _trainer_save(str(run_dir), step, limit=limit, **failure)()
+        _trainer_save(str(run_dir), step, args, **failure)()
     assert args.save_total_limit == limit
 
 
@@ -333,7 +336,7 @@ def test_the_users_save_total_limit_is_left_as_it_is_and_the_trainers_rotation_w
 
     with saving_checkpoint(str(tmp_path), args, state, method_state, lambda: None):
         assert args.save_total_limit == 1
-        _trainer_save(str(tmp_path), 2, limit=args.save_total_limit)()
+        _trainer_save(str(tmp_path), 2, args)()
     assert seen == [(1, ["checkpoint-1", "checkpoint-2"])]  # the whole checkpoint-1 kept while 2 was not whole
     assert args.save_total_limit == 1
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-2"]  # rotated once checkpoint-2 is whole
@@ -347,8 +350,9 @@ def test_a_save_that_fails_after_the_trainers_files_keeps_the_last_whole_checkpo
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with pytest.raises(CheckpointSaveError, match="The unfinished checkpoint was removed"):
-        with saving_checkpoint(str(tmp_path), _args(limit=1), state, full_disk, lambda: None):
-            _trainer_save(str(tmp_path), 2, limit=1)()
+        args = _args(limit=1)
+        with saving_checkpoint(str(tmp_path), args, state, full_disk, lambda: None):
+            _trainer_save(str(tmp_path), 2, args)()
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-1"]
     assert resume_checkpoint(True, str(tmp_path), "par") == str(tmp_path / "checkpoint-1")
 
