@@ -1,6 +1,8 @@
 """Run folders and checkpoints: what a run owns in its ``output_dir``, one run per folder, and checkpoints that are
 whole or not checkpoints at all.
 
+- :mod:`opefo_trl.runs.policy`: whether a run may have its output_dir, and holding it while it trains
+  (:class:`OutputDirPolicy`, what ``opefo-train`` calls);
 - :mod:`opefo_trl.runs.folder`: the run folder (:class:`RunFolder`): its lock, its manifest, and the overwrite;
 - :mod:`opefo_trl.runs.checkpoint`: whole checkpoints (:func:`saving_checkpoint`, :func:`check_checkpoint`,
   :func:`resume_checkpoint`) and the token method's state in them;
@@ -61,6 +63,7 @@ from opefo_trl.runs.folder import (
 )
 from opefo_trl.runs.metrics import metrics_files, read_metrics_lines
 from opefo_trl.runs.options import check_resume_options
+from opefo_trl.runs.policy import OutputDirPolicy
 
 __all__ = [
     "CHECKPOINT_MARKER",
@@ -77,6 +80,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointSaveError",
     "MetricsFileError",
+    "OutputDirPolicy",
     "RunFolder",
     "RunFolderBusy",
     "RunFolderError",
