@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import logging
 import os
 import sys
 import types
@@ -364,3 +365,29 @@ def report_error(prog: str, err: Exception) -> int:
     """Print ``PROG: error: MESSAGE`` to stderr, as argparse reports bad input, and return exit status 2."""
     print(f"{prog}: error: {err}", file=sys.stderr)
     return 2
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to sys.stderr as it is when a message is logged: a CLI's ``main`` may run again after stderr was
+    replaced (a notebook cell, a test capturing output), and a handler keeping the old stream would write to a closed
+    one."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+def show_package_logs(prog: str) -> None:
+    """Print opefo_trl's INFO messages (data set size, dropped rows) as ``[time] [prog] message``, without touching
+    other libraries' logging: INFO on the main process only, warnings from every rank."""
+    package_logger = logging.getLogger("opefo_trl")
+    if not package_logger.handlers:
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter(f"[%(asctime)s] [{prog}] %(message)s", "%H:%M:%S"))
+        package_logger.addHandler(handler)
+        main_process = os.environ.get("RANK", "0") == "0"
+        package_logger.setLevel(logging.INFO if main_process else logging.WARNING)

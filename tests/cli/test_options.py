@@ -198,3 +198,29 @@ def test_unknown_names_are_reported_before_any_value_is_checked(tmp_path):
     recipe.write_text("learning_rate: [1]\n")
     with pytest.raises(ValueError, match=r"^Unknown option\(s\) on the command line: 'lr'"):
         parse_options(_parser(), ["--config", str(recipe), "--lr", "1"])
+
+
+def test_package_logs_go_to_stderr_as_it_is_when_they_are_logged(monkeypatch):
+    """A CLI's main may run again after stderr was replaced (a notebook cell, a test capturing output)."""
+    import io
+    import logging
+    import sys
+
+    from opefo_trl.cli.options import show_package_logs
+
+    package_logger = logging.getLogger("opefo_trl")
+    monkeypatch.setattr(package_logger, "handlers", [])
+    monkeypatch.setattr(package_logger, "level", logging.NOTSET)
+    monkeypatch.setenv("RANK", "0")
+    show_package_logs("opefo-train")
+    show_package_logs("opefo-train")  # once only
+    assert len(package_logger.handlers) == 1 and package_logger.level == logging.INFO
+    for text in ("first", "second"):
+        stderr = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", stderr)
+        logging.getLogger("opefo_trl.data").info(text)
+        assert stderr.getvalue().endswith(f"[opefo-train] {text}\n")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(package_logger, "handlers", [])
+    show_package_logs("opefo-train")
+    assert package_logger.level == logging.WARNING  # INFO from the main process only

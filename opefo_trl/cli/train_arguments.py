@@ -1,0 +1,174 @@
+"""The options of ``opefo-train`` besides ``OPEFOConfig`` and ``trl.ModelConfig``: data set, prompt template, reward
+functions, context-length check, output folder and metrics file (:class:`TrainScriptArguments`), and the reward
+functions ``reward_funcs`` names (:func:`resolve_reward_funcs`).
+"""
+
+import importlib
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+DEFAULT_REWARD = "math_accuracy_reward"
+
+
+@dataclass
+class TrainScriptArguments:
+    """Data, prompt, reward and logging options of `opefo-train` (model options: `trl.ModelConfig`; training
+    options: `opefo_trl.OPEFOConfig`).
+
+    Example:
+        >>> TrainScriptArguments(dataset_name="gsm8k", prompt_template="qwen_math_boxed").reward_funcs
+        ['math_accuracy_reward']
+    """
+
+    dataset_name: str = field(
+        default="dapo-math-17k",
+        metadata={
+            "help": "Training data: a preset (dapo-math-17k, dapo-math-17k-raw, math-lighteval, gsm8k), 'local' "
+            "(read `dataset_files`), or any hub id / local data set directory (then set problem_column and "
+            "answer_column)."
+        },
+    )
+    dataset_config: str | None = field(
+        default=None,
+        metadata={"help": "Hub configuration of the data set; default: the preset's (e.g. 'en', 'main')."},
+    )
+    dataset_split: str = field(default="train", metadata={"help": "Split to train on."})
+    dataset_files: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Local JSON / JSONL / Parquet / CSV files read instead of downloading `dataset_name`; with a "
+            "preset they must have the preset's columns (offline runs, local copies)."
+        },
+    )
+    problem_column: str | None = field(
+        default=None,
+        metadata={
+            "help": "Column with the problem (text, or a chat whose last user turn is the problem); default: the "
+            "preset's. Required for non-preset data."
+        },
+    )
+    answer_column: str | None = field(
+        default=None,
+        metadata={
+            "help": "Column with the gold answer; dotted names address struct fields (reward_model.ground_truth); "
+            "default: the preset's. Required for non-preset data."
+        },
+    )
+    answer_format: str | None = field(
+        default=None,
+        metadata={
+            "help": "How the answer column stores the gold answer: 'plain', 'boxed' (last \\boxed{} of a "
+            "solution) or 'gsm8k' (after '####'); default: the preset's, else 'plain'."
+        },
+    )
+    deduplicate: bool | None = field(
+        default=None,
+        metadata={"help": "Keep one row per distinct problem; default: the preset's (on for dapo-math-17k-raw)."},
+    )
+    max_train_samples: int | None = field(
+        default=None, metadata={"help": "Train on the first N problems only (after deduplication)."}
+    )
+    probe_prompts: int = field(
+        default=0,
+        metadata={
+            "help": "Set the last N problems of the training data aside (after deduplication and max_train_samples) "
+            "as the 'param' flow's fixed probe: never trained on, their completions sampled once at the start, their "
+            "entropy measured and balanced with each batch's (OPEFOTrainer's probe_dataset). Needs "
+            "entropy_flow_estimate='param'. 0: none."
+        },
+    )
+    prompt_template: str = field(
+        default="qwen_math_boxed",
+        metadata={"help": "Prompt template of opefo_trl.data.prompts: 'qwen_math_boxed', 'dapo' or 'plain'."},
+    )
+    reward_funcs: list[str] = field(
+        default_factory=lambda: [DEFAULT_REWARD],
+        metadata={
+            "help": "Reward functions: 'math_accuracy_reward' (math-verify against the `solution` column) or "
+            "dotted import paths ('my_pkg.rewards.my_reward'). Each is called as TRL calls it, with the completions, "
+            "`solution` and the data set's other columns as keyword arguments, each function its own copy. Weights: "
+            "`reward_weights`."
+        },
+    )
+    context_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "The model's context in tokens, which prompt + max_completion_length must fit; default: the "
+            "model config's max_position_embeddings (4096 for Qwen2.5-Math-7B). With use_vllm, capped by "
+            "vllm_max_model_length."
+        },
+    )
+    drop_overlong_prompts: bool = field(
+        default=False,
+        metadata={
+            "help": "Drop prompts too long for context_length - max_completion_length (with a warning) instead "
+            "of stopping with an error."
+        },
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start afresh in an output_dir that holds an earlier run of opefo-train: the files its manifest "
+            "lists (nothing else) are set aside, deleted once the new run has saved its first checkpoint or final "
+            "model, and moved back if it fails before that. Without it, such an output_dir is refused unless "
+            "resume_from_checkpoint resumes a checkpoint in it."
+        },
+    )
+    metrics_jsonl: Literal["main_process", "every_process", "off"] = field(
+        default="main_process",
+        metadata={
+            "help": "Append every logged metrics dict as a JSON line to <output_dir>/metrics.jsonl (main_process), "
+            "to <output_dir>/metrics.rank<N>.jsonl on every process (every_process: shows that distributed "
+            "statistics such as entropy_flow/lambda agree across ranks), or nowhere (off). Independent of "
+            "report_to."
+        },
+    )
+
+    def __post_init__(self):
+        # A recipe may give a single value where a list is expected (`reward_funcs: math_accuracy_reward`).
+        if isinstance(self.reward_funcs, str):
+            self.reward_funcs = [self.reward_funcs]
+        if isinstance(self.dataset_files, str):
+            self.dataset_files = [self.dataset_files]
+        choices = ("main_process", "every_process", "off")
+        if self.metrics_jsonl not in choices:
+            raise ValueError(f"metrics_jsonl must be one of {choices}, got {self.metrics_jsonl!r}.")
+        if self.max_train_samples is not None and self.max_train_samples < 1:
+            raise ValueError(f"max_train_samples must be at least 1, got {self.max_train_samples}.")
+        if self.probe_prompts < 0:
+            raise ValueError(f"probe_prompts must be >= 0 (0: no probe), got {self.probe_prompts}.")
+        if self.context_length is not None and self.context_length < 2:
+            raise ValueError(f"context_length must be a positive number of tokens, got {self.context_length}.")
+        if not self.reward_funcs:
+            raise ValueError(f"reward_funcs is empty: give at least one, e.g. {DEFAULT_REWARD!r}.")
+
+
+def resolve_reward_funcs(names: Sequence[str]) -> list[Callable]:
+    """Reward functions by name ('math_accuracy_reward') or dotted import path; raises naming the one that fails."""
+    funcs = []
+    for name in names:
+        if name == DEFAULT_REWARD:
+            from opefo_trl.data.rewards import math_accuracy_reward
+
+            funcs.append(math_accuracy_reward)
+            continue
+        module_name, _, attr = name.rpartition(".")
+        if not module_name:
+            raise ValueError(
+                f"Unknown reward function {name!r}: use {DEFAULT_REWARD!r} or a dotted import path such as "
+                "'my_pkg.rewards.my_reward'."
+            )
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            raise ValueError(f"Cannot import module {module_name!r} of reward function {name!r}: {err}") from err
+        func = getattr(module, attr, None)
+        if not callable(func):
+            raise ValueError(f"Module {module_name!r} has no callable {attr!r} (reward function {name!r}).")
+        funcs.append(func)
+    return funcs
