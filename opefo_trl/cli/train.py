@@ -184,11 +184,6 @@ class TrainScriptArguments:
             raise ValueError(f"reward_funcs is empty: give at least one, e.g. {DEFAULT_REWARD!r}.")
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Parsing and validation (no model weights touched)
-# ----------------------------------------------------------------------------------------------------------------------
-
-
 def make_parser():
     """The parser over (`TrainScriptArguments`, `OPEFOConfig`, `ModelConfig`): see `opefo_trl.cli.options`."""
     from trl import ModelConfig
@@ -421,11 +416,6 @@ def validate_output_dir(script_args, training_args, model_name_or_path: str | No
                 read_metrics_lines(path)  # a cut-off last line is dropped when training starts; a corrupt one is not
     if resume is not None and training_args.resume_from_checkpoint is not True:  # `true`: checked when chosen
         check_checkpoint(resume, method=training_args.method)
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Training
-# ----------------------------------------------------------------------------------------------------------------------
 
 
 def context_length_for(script_args, training_args, model_args) -> int:
