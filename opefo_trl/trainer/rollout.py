@@ -14,7 +14,6 @@ The weigher's state between TRL's generation and its split into micro-batches is
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from opefo_trl.maths.entropy_flow import TABULAR_ESTIMATES, flow_per_unit_advantage
+from opefo_trl.maths.ranks import ReduceSum
 from opefo_trl.methods import MethodContext, TokenBatch, TokenMethod
 from opefo_trl.trainer.audit import EntropyAudit
 from opefo_trl.trainer.batch_state import (
@@ -30,12 +30,13 @@ from opefo_trl.trainer.batch_state import (
     ROLLOUT_ROW_KEY,
     STATE_KEY,
     MicroBatchState,
+    RolloutItem,
     Scores,
     per_token,
 )
 from opefo_trl.trainer.generation_stats import GenerationStats
 from opefo_trl.trainer.loss_mirror import LossMirror
-from opefo_trl.trainer.param_estimate import ParamEstimate, RolloutItem
+from opefo_trl.trainer.param_estimate import ParamEstimate
 from opefo_trl.trainer.scoring import Scorer
 
 
@@ -92,7 +93,7 @@ class RolloutWeigher:
         scorer: Scorer,
         param: ParamEstimate | None,
         audit: EntropyAudit,
-        reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+        reduce_sum: ReduceSum,
         num_iterations: int,
         trl_scores_rollout: bool,
         writes_gradient: bool = False,
