@@ -132,11 +132,8 @@ def _refuse_unknown_names(parser, argv: Sequence[str], recipe_values: dict | Non
         raise _unknown_names_error(names, known, kind="option(s)", where="on the command line", prog=parser.prog)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Types of recipe values: argparse converts command-line strings (and string defaults), not YAML numbers and lists
-# ----------------------------------------------------------------------------------------------------------------------
-
-
+# The types of recipe values are checked here: argparse converts command-line strings (and string defaults), not YAML
+# numbers and lists.
 def _accepts(annotation, value, top_level: bool = True) -> bool:
     """Whether a YAML value fits a dataclass field's annotation. Text at the top level is left to argparse, which
     converts (and checks) text defaults; inside a list nothing converts it."""

@@ -110,11 +110,6 @@ DATASET_PRESETS: dict[str, DatasetPreset] = {
 }
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Local data files
-# ----------------------------------------------------------------------------------------------------------------------
-
-
 def is_local_data_file(path: str | os.PathLike) -> bool:
     """Whether ``path`` names a local data file by its extension (it need not exist).
 
@@ -242,11 +237,6 @@ def load_local_files(data_files: str | os.PathLike | Sequence[str | os.PathLike]
     return load_dataset(builder, data_files={split: _as_file_list(data_files)}, split=split)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Answer extraction
-# ----------------------------------------------------------------------------------------------------------------------
-
-
 def _braced_content(text: str, open_index: int) -> str | None:
     """Content of the brace group opening at ``text[open_index] == "{"``, or None when it never closes."""
     depth = 0
@@ -309,11 +299,6 @@ def _plain_answer(value) -> str | None:
 
 
 _ANSWER_EXTRACTORS = {"plain": _plain_answer, "boxed": extract_boxed_answer, "gsm8k": extract_gsm8k_answer}
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Columns
-# ----------------------------------------------------------------------------------------------------------------------
 
 
 def _describe_columns(dataset) -> str:
@@ -415,11 +400,6 @@ def _problem_text(value, *, row: int, column: str) -> str:
         f"Row {row} of the problem column {column!r} is neither text nor a chat with a user turn: {value!r:.200}. "
         "Point `problem_column` at the problem text."
     )
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Loading
-# ----------------------------------------------------------------------------------------------------------------------
 
 
 def resolve_dataset_source(
@@ -616,11 +596,6 @@ def _extra_columns(columns: Sequence[str], used: Sequence[str], shown: str) -> l
             shown,
         )
     return [c for c in extra if c not in taken]
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Context-length check
-# ----------------------------------------------------------------------------------------------------------------------
 
 
 def prompt_token_lengths(dataset, tokenizer, *, chat_template_kwargs: dict | None = None, batch_size: int = 1000):

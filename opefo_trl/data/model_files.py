@@ -22,10 +22,6 @@ import os
 import re
 from typing import Any
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Model paths
-# ----------------------------------------------------------------------------------------------------------------------
-
 
 def looks_like_local_path(name: str) -> bool:
     """Whether a model name can only be a local path: absolute, relative (``./``, ``~``) or nested below ``a/b``.
@@ -194,11 +190,6 @@ def model_file_fingerprints(directory: str | os.PathLike) -> dict[str, str]:
         with open(os.path.join(directory, name), "rb") as f:
             prints[name] = hashlib.sha256(f.read()).hexdigest()[:32]
     return prints
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Context length
-# ----------------------------------------------------------------------------------------------------------------------
 
 
 def model_context_length(

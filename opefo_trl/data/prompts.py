@@ -36,10 +36,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Templates
-# ----------------------------------------------------------------------------------------------------------------------
-
 PROBLEM_PLACEHOLDER = "{problem}"
 
 
@@ -138,11 +134,6 @@ def format_prompt(problem: str, template: str | PromptTemplate = DEFAULT_TEMPLAT
     if not problem.strip():
         raise ValueError("format_prompt got an empty problem; check the data set's question column.")
     return resolved.format(problem)
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Rendering prompts as the trainer does, and the text of completions
-# ----------------------------------------------------------------------------------------------------------------------
 
 
 def render_prompts(tokenizer, prompts: Sequence, *, chat_template_kwargs: dict | None = None) -> list[list[int]]:

@@ -4,7 +4,7 @@
 one or more ``--seeds``; one ``--numerics``) and the demo's ``--output_dir``, whose cached warm start it reuses. Each
 run is repeated with the same code path (``train_one``) by a trainer that, before every update, also computes the
 ``param`` estimate's per-token flow d_t = A_t <D grad Hbar, grad log pi_t> on the same batch (the trainer's own
-``param`` estimator: Adam-preconditioned, finite difference checked against the exact derivative and net flow).
+``param`` estimator: Adam-preconditioned, forward-mode, checked against the backward-mode derivative and net flow).
 That extra work draws no random numbers and restores the parameters bit for bit, so the run must reproduce the
 demo's logged trajectory; ``reproduced`` in the output says whether it did (compared with
 ``runs/<numerics>/<method>-seed<k>``).
@@ -62,9 +62,9 @@ def diagnostic_trainer_class() -> type[OPEFOTrainer]:
 
     from opefo_trl import OPEFOTrainer
     from opefo_trl.maths.entropy_flow import flow_per_unit_advantage, flow_stats, lambda_star, token_weights
-    from opefo_trl.maths.step_model import adam_preconditioner, first_order_change, inner, param_groups
-    from opefo_trl.trainer.batch_state import per_token
-    from opefo_trl.trainer.param_estimate import RolloutItem
+    from opefo_trl.maths.optimizer import adam_preconditioner, inner, param_groups
+    from opefo_trl.maths.step_model import first_order_change
+    from opefo_trl.trainer.batch_state import RolloutItem, per_token
     from opefo_trl.trainer.parts import build_param_estimate
 
     class DiagnosticTrainer(OPEFOTrainer):

@@ -46,7 +46,7 @@ TABULAR_ESTIMATES = ("opefo", "onaction", "sign", "full")
 FLOW_ESTIMATES = (*TABULAR_ESTIMATES, "param")
 SIDES = ("both", "increase_only", "decrease_only")
 #: What OPEFO's lambda balances: this batch's first-order flow (the paper's) or the real next optimizer step's
-#: first-order entropy change (``param_flow.StepModel``).
+#: first-order entropy change (``opefo_trl.maths.step_model.StepModel``).
 BALANCES = ("batch", "step")
 
 

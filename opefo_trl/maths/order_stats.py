@@ -15,16 +15,12 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
+
+from opefo_trl.maths.ranks import ReduceSum, single_process_sum
 
 #: The bit pattern of float32 +inf: every finite non-negative float32 lies below it.
 _FLOAT32_INF_BITS = 0x7F800000
-
-
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
 
 
 @torch.no_grad()
@@ -32,7 +28,7 @@ def kth_largest(
     values: torch.Tensor,
     mask: torch.Tensor,
     k: int,
-    reduce_sum: Callable[[torch.Tensor], torch.Tensor] = _identity,
+    reduce_sum: ReduceSum = single_process_sum,
 ) -> torch.Tensor:
     """The k-th largest (1-based) of ``values[mask]`` over every rank, as a float32 scalar; ``values`` must be finite
     and >= 0 on the masked tokens, and ``k`` at most their count over ranks (1: the maximum; the count: the minimum).

@@ -22,7 +22,7 @@ parameters), Hbar is the mean token entropy of the update's own tokens and the p
 and its c_t are the batch's, only the direction v = D grad Hbar (and with it u_t) changes.
 
 The optimizer's real next step, whose momentum this D does not describe, is modelled exactly in
-``opefo_trl.maths.step_model``.
+``opefo_trl.maths.step_model`` (the optimizer's update itself in ``opefo_trl.maths.optimizer``).
 
 Example (a linear softmax policy, where everything can be checked by hand):
     >>> import torch
@@ -49,16 +49,10 @@ from typing import Any, cast
 
 import torch
 
-from opefo_trl.maths.step_model import (
-    PreconditionedDirection,
-    StepModel,
-    clip_coefficient,
-    compute_dtype,
-    global_norm,
-    inner,
-)
+from opefo_trl.maths.optimizer import PreconditionedDirection, clip_coefficient, compute_dtype, global_norm, inner
+from opefo_trl.maths.ranks import ReduceSum, single_process_sum
+from opefo_trl.maths.step_model import StepModel
 
-ReduceSum = Callable[[torch.Tensor], torch.Tensor]
 #: score(batch) -> (log pi_t, H_t), both (B, T), differentiable in the parameters when grad is enabled.
 ScoreFn = Callable[[Any], tuple[torch.Tensor, torch.Tensor]]
 #: jvp(batch, direction) -> (u_t, dH_t), both (B, T): the derivatives of log pi_t and H_t along ``direction`` (one
@@ -75,10 +69,6 @@ CHECK_TOLERANCE = 1e-2
 #: lambda_error can exceed the flow's own error by orders of magnitude; the warning is for a real disagreement.
 LAMBDA_ERROR_TOLERANCE = 0.1
 LAMBDA_ERROR_FLOOR = 1e-4
-
-
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
 
 
 def relative_error(estimate: float, exact: float) -> float:
@@ -136,7 +126,7 @@ class ParamFlowEstimator:
         params,
         score: ScoreFn,
         jvp: JvpFn,
-        reduce_sum: ReduceSum = _identity,
+        reduce_sum: ReduceSum = single_process_sum,
         optimizer=None,
         max_grad_norm=None,
     ):

@@ -7,7 +7,7 @@ token t and a direction v given per trainable parameter,
 
 the directional derivatives of the token's log-probability and of its position's entropy. ``completion_jvp`` takes
 both by forward-mode AD through the backbone and a closed form through the LM head, so they are exact to rounding
-(``param_flow.ParamFlowEstimator`` takes them by a central finite difference instead).
+(``param_flow.ParamFlowEstimator`` takes u_t this way, and checks it against its backward-mode gradients).
 
 The policy at a position with final hidden state h (after the final norm) is the temperature-scaled softmax of
 
@@ -220,11 +220,6 @@ def head_jvp(
     return HeadJVP(*(x.reshape(targets.shape) for x in out))
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Through the model
-# ----------------------------------------------------------------------------------------------------------------------
-
-
 def named_tangents(
     model: torch.nn.Module, params: Sequence[torch.Tensor], tangents: Sequence[torch.Tensor]
 ) -> dict[str, torch.Tensor]:
@@ -239,9 +234,14 @@ def named_tangents(
     return result
 
 
-def _core_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under a PEFT wrapper (the model itself otherwise); refuses what this pass cannot see
-    through."""
+def core_model(model: Any) -> Any:
+    """The causal LM carrying the LM head: a PEFT model's base model, else the (unwrapped) model itself."""
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model
+
+
+def _checked_core_model(model: torch.nn.Module) -> torch.nn.Module:
+    """``core_model``, refusing what this pass cannot see through."""
     wrapper = type(model).__name__
     if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)) or (
         hasattr(model, "module") and not hasattr(model, "get_output_embeddings")
@@ -261,7 +261,7 @@ def _core_model(model: torch.nn.Module) -> torch.nn.Module:
                 "backbone's own forward) does not run; only adapters injected into the layers (LoRA and the like) are "
                 "supported."
             )
-        model = model.get_base_model()  # type: ignore[operator]
+    model = core_model(model)
     if not (hasattr(model, "get_decoder") and hasattr(model, "get_output_embeddings")):
         raise ValueError(
             f"completion_jvp needs a transformers causal LM (get_decoder, get_output_embeddings); got {wrapper}."
@@ -363,7 +363,7 @@ def completion_jvp(
     tangents on parameters the logits do not depend on. Non-finite results (e.g. a float64 model with eager attention
     and padding: transformers' eager softmax is float32 and turns float64's mask value into -inf) raise too.
     """
-    core = _core_model(model)
+    core = _checked_core_model(model)
     attention = _check_pass(model, core)
     seq_len = input_ids.shape[1]
     if not 1 <= logits_to_keep < seq_len:

@@ -33,14 +33,11 @@ from typing import Any, ClassVar
 
 import torch
 
-ReduceSum = Callable[[torch.Tensor], torch.Tensor]
+from opefo_trl.maths.ranks import ReduceSum, single_process_sum
+
 #: F(lambda): the first-order change of the mean token entropy the real next optimizer step makes when the rollout's
 #: tokens are weighted 1 + lambda * s_t (``opefo_trl.maths.step_model.StepModel.change``).
 StepChange = Callable[[float], float]
-
-
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
 
 
 def setting(default, help: str):
@@ -96,7 +93,7 @@ class MethodContext:
     entropy F measures the change of (the batch's, or with ``entropy_flow_probe_rollouts`` the probe's; None without
     a step model). The default context is a single process without a step model."""
 
-    reduce_sum: ReduceSum = _identity
+    reduce_sum: ReduceSum = single_process_sum
     step_model: Callable[[torch.Tensor], StepChange] | None = None
     entropy: float | None = None
 

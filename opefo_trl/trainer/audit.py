@@ -17,8 +17,10 @@ from dataclasses import dataclass
 import torch
 from transformers import TrainerCallback
 
+from opefo_trl.maths.optimizer import inner
 from opefo_trl.maths.param_flow import ParamFlow
-from opefo_trl.maths.step_model import first_order_change, inner
+from opefo_trl.maths.ranks import ReduceSum
+from opefo_trl.maths.step_model import first_order_change
 from opefo_trl.trainer.batch_state import Scores
 
 
@@ -49,7 +51,7 @@ class EntropyAudit(TrainerCallback):
         score: Callable[[dict], Scores],
         score_full_precision: Callable[[dict], Scores],
         loss_mask: Callable[[dict], torch.Tensor],
-        reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+        reduce_sum: ReduceSum,
         device: Callable[[], torch.device],
         log_metrics: Callable[[dict[str, float]], None],
         params: Callable[[], list[torch.Tensor]],

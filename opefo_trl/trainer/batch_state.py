@@ -7,6 +7,9 @@ the trainer adds two keys to those dicts:
   whole rollout (TRL's old-log-prob pass) can be read per micro-batch after TRL's shuffle (`Scores.rows`);
 - ``STATE_KEY``, after the split: the micro-batch's :class:`MicroBatchState`, written once per rollout and only read
   afterwards (TRL reuses the dicts when ``num_iterations > 1``).
+
+While a rollout batch is weighed, each of its micro-batches is one :class:`RolloutItem` (``rollout.py``, the `param`
+estimate and its probes), from which the micro-batch's ``MicroBatchState`` is written.
 """
 
 from __future__ import annotations
@@ -80,6 +83,20 @@ class MicroBatchState:
     audit_entropies: torch.Tensor | None = None
     served: Scores | None = None
     gradient: list[torch.Tensor] | None = None
+
+
+@dataclass
+class RolloutItem:
+    """One micro-batch of a rollout being weighted: TRL's dict, its unweighted per-token advantages, and what the
+    rollout pass finds for it (the scores, f_t, u_t and, with `param`, the full-precision entropies for the audit)."""
+
+    batch: dict
+    advantages: torch.Tensor
+    scores: Scores | None = None
+    full_precision: Scores | None = None  # the estimate's own (detached) scores of the micro-batch
+    factor: torch.Tensor | None = None
+    unit_flow: torch.Tensor | None = None
+    audit_entropies: torch.Tensor | None = None
 
 
 def per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

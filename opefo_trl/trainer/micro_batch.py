@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from opefo_trl.maths.entropy_flow import TABULAR_ESTIMATES, FlowStats, flow_per_unit_advantage, flow_stats
+from opefo_trl.maths.ranks import ReduceSum
 from opefo_trl.methods import MethodContext, TokenBatch, TokenMethod
 from opefo_trl.trainer.batch_state import STATE_KEY, MicroBatchState, per_token
 from opefo_trl.trainer.loss_mirror import LossMirror
@@ -75,7 +76,7 @@ class MicroBatchWeigher:
         diagnostics: bool,
         rollout_flow: bool,
         loss: LossMirror,
-        reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+        reduce_sum: ReduceSum,
         log_metrics: Callable[[dict[str, float]], None],
         main_process: bool,
         params: Callable[[], list[torch.Tensor]] = list,

@@ -16,29 +16,16 @@ from __future__ import annotations
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
+from opefo_trl.maths.optimizer import check_optimizer
 from opefo_trl.maths.param_flow import ParamFlow, ParamFlowEstimator, imprecision
-from opefo_trl.maths.step_model import StepModel, check_optimizer
+from opefo_trl.maths.ranks import ReduceSum
+from opefo_trl.maths.step_model import StepModel
 from opefo_trl.methods import StepChange
-from opefo_trl.trainer.batch_state import Scores
+from opefo_trl.trainer.batch_state import RolloutItem, Scores
 from opefo_trl.trainer.loss_mirror import LossMirror
-
-
-@dataclass
-class RolloutItem:
-    """One micro-batch of a rollout being weighted: TRL's dict, its unweighted per-token advantages, and what the
-    rollout pass finds for it (the scores, f_t, u_t and, with `param`, the full-precision entropies for the audit)."""
-
-    batch: dict
-    advantages: torch.Tensor
-    scores: Scores | None = None
-    full_precision: Scores | None = None  # the estimate's own (detached) scores of the micro-batch
-    factor: torch.Tensor | None = None
-    unit_flow: torch.Tensor | None = None
-    audit_entropies: torch.Tensor | None = None
 
 
 class ParamEstimate:
@@ -64,7 +51,7 @@ class ParamEstimate:
         score: Callable[[dict], Scores],
         jvp: Callable[[dict, Sequence[torch.Tensor], Sequence[torch.Tensor]], tuple[torch.Tensor, torch.Tensor]],
         loss: LossMirror,
-        reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+        reduce_sum: ReduceSum,
         num_processes: int,
         optimizer: Callable[[], torch.optim.Optimizer],
         max_grad_norm: float | None,

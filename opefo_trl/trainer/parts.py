@@ -16,6 +16,7 @@ import torch
 from trl import GRPOTrainer
 
 from opefo_trl.maths.entropy_flow import TABULAR_ESTIMATES
+from opefo_trl.maths.param_jvp import core_model
 from opefo_trl.methods import TokenMethod
 from opefo_trl.trainer import model_setup
 from opefo_trl.trainer.audit import EntropyAudit
@@ -27,7 +28,7 @@ from opefo_trl.trainer.micro_batch import MicroBatchWeigher
 from opefo_trl.trainer.param_estimate import ParamEstimate
 from opefo_trl.trainer.probe import FixedProbe
 from opefo_trl.trainer.rollout import RolloutWeigher
-from opefo_trl.trainer.scoring import Scorer, core_model
+from opefo_trl.trainer.scoring import Scorer
 
 
 class TrainerAccess:

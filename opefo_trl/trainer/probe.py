@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from trl.trainer.utils import pad
 
-from opefo_trl.trainer.param_estimate import RolloutItem
+from opefo_trl.trainer.batch_state import RolloutItem
 
 
 class FixedProbe:

@@ -13,16 +13,15 @@ The weigher's state between TRL's generation and its split into micro-batches is
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from opefo_trl.maths.entropy_flow import TABULAR_ESTIMATES, flow_per_unit_advantage
+from opefo_trl.maths.ranks import ReduceSum
 from opefo_trl.methods import MethodContext, TokenBatch, TokenMethod
 from opefo_trl.trainer.audit import EntropyAudit
 from opefo_trl.trainer.batch_state import (
@@ -30,12 +29,13 @@ from opefo_trl.trainer.batch_state import (
     ROLLOUT_ROW_KEY,
     STATE_KEY,
     MicroBatchState,
+    RolloutItem,
     Scores,
     per_token,
 )
 from opefo_trl.trainer.generation_stats import GenerationStats
 from opefo_trl.trainer.loss_mirror import LossMirror
-from opefo_trl.trainer.param_estimate import ParamEstimate, RolloutItem
+from opefo_trl.trainer.param_estimate import ParamEstimate
 from opefo_trl.trainer.scoring import Scorer
 
 
@@ -92,7 +92,7 @@ class RolloutWeigher:
         scorer: Scorer,
         param: ParamEstimate | None,
         audit: EntropyAudit,
-        reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+        reduce_sum: ReduceSum,
         num_iterations: int,
         trl_scores_rollout: bool,
         writes_gradient: bool = False,
@@ -173,13 +173,7 @@ class RolloutWeigher:
             for item in items:
                 item.scores = self.scorer.score(item.batch, vocab=self.estimate == "full").detached()
         token_batches = [self._flow(item, None if flow is None else flow.alignment[i]) for i, item in enumerate(items)]
-        whole = TokenBatch(
-            **{
-                f.name: torch.cat([getattr(b, f.name) for b in token_batches])
-                for f in dataclasses.fields(TokenBatch)
-                if isinstance(getattr(token_batches[0], f.name), torch.Tensor)
-            }
-        )
+        whole = _joined(token_batches)
         weights = self.method.rollout_weights(whole, context)
         gradient = None if self.param is None else self.param.finish(weights, self.writes_gradient)
         parts = [None] * len(items) if weights is None else weights.split([len(b.logps) for b in token_batches])
@@ -214,3 +208,19 @@ class RolloutWeigher:
             flow=item.advantages * item.unit_flow,
             old_logps=item.batch.get("old_per_token_logps"),
         )
+
+
+def _joined(parts: list[TokenBatch]) -> TokenBatch:
+    """The micro-batches' TokenBatches as one, their rows in order (the rollout batch a method weighs at once)."""
+
+    def rows(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
+        return None if tensors[0] is None else torch.cat(cast(list[torch.Tensor], tensors))
+
+    return TokenBatch(
+        logps=torch.cat([part.logps for part in parts]),
+        entropies=torch.cat([part.entropies for part in parts]),
+        advantages=torch.cat([part.advantages for part in parts]),
+        factor=torch.cat([part.factor for part in parts]),
+        flow=rows([part.flow for part in parts]),
+        old_logps=rows([part.old_logps for part in parts]),
+    )

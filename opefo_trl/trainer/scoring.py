@@ -29,7 +29,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from opefo_trl.maths.lm_head import policy_log_probs
-from opefo_trl.maths.param_jvp import completion_jvp, named_tangents
+from opefo_trl.maths.param_jvp import completion_jvp, core_model, named_tangents
 from opefo_trl.maths.vocab_stats import vocab_stats
 from opefo_trl.trainer.batch_state import Scores, sequence
 
@@ -47,12 +47,6 @@ def logit_scale(text_config) -> float:
         scaling = text_config.logits_scaling
         return scaling if text_config.model_type == "hyperclovax" else 1 / scaling
     return 1.0
-
-
-def core_model(model: Any) -> Any:
-    """The causal LM carrying the fused head: a PEFT model's base model, else the (unwrapped) model itself."""
-    get_base_model = getattr(model, "get_base_model", None)
-    return get_base_model() if callable(get_base_model) else model
 
 
 class ScoringObserver(Protocol):

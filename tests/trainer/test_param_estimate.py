@@ -177,8 +177,7 @@ def _first_rollout(trainer):
 def _lambda_star(trainer, batches, jitter_seed=None):
     """lambda* of the `param` estimate of one rollout's micro-batches (the parameters optionally multiplied by
     1 + 1e-7 N(0, 1) first, and restored)."""
-    from opefo_trl.trainer.batch_state import per_token
-    from opefo_trl.trainer.param_estimate import RolloutItem
+    from opefo_trl.trainer.batch_state import RolloutItem, per_token
 
     saved = [p.detach().clone() for p in trainer.model.parameters()]
     if jitter_seed is not None:
