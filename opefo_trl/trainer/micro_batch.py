@@ -46,7 +46,9 @@ class LossCall:
 
     def served(self) -> tuple[torch.Tensor, torch.Tensor, None] | None:
         """What TRL's scoring call returns without running the model (None: it runs)."""
-        return served_scores(self.state)  # a stand-in for TRL's forward (stand_ins.py says when it is exact)
+        if self.state is None or self.state.served is None:
+            return None
+        return served_scores(self.state.served)  # a stand-in for TRL's forward (stand_ins.py says when it is exact)
 
     def observe(self, logps: torch.Tensor, entropies: torch.Tensor, vocab: tuple) -> None:
         self.weigher.apply(self, logps, entropies, vocab)

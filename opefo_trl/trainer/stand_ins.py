@@ -31,15 +31,13 @@ from collections.abc import Sequence
 
 import torch
 
-from opefo_trl.trainer.batch_state import MicroBatchState
+from opefo_trl.trainer.batch_state import Scores
 
 
-def served_scores(state: MicroBatchState | None) -> tuple[torch.Tensor, torch.Tensor, None] | None:
-    """What TRL's scoring call in the loss forward returns without running the model (None: it runs): the estimate's
-    log pi_t as a leaf TRL's loss backpropagates into, reaching no parameter, and H_t."""
-    served = None if state is None else state.served
-    if served is None:
-        return None
+def served_scores(served: Scores) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """What TRL's scoring call in the loss forward returns instead of running the model, from the estimate's scores of
+    the micro-batch (``MicroBatchState.served``): log pi_t as a leaf TRL's loss backpropagates into, reaching no
+    parameter, and H_t."""
     return served.logps.detach().requires_grad_(True), served.entropies, None
 
 
