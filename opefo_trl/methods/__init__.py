@@ -27,11 +27,13 @@ from opefo_trl.methods.base import (
     SINGLE_PROCESS,
     TOKEN_METHODS,
     MethodContext,
+    RolloutWeights,
     StepChange,
     TokenBatch,
     TokenMethod,
     TokenTerms,
     build_token_method,
+    decide_rollout_weights,
     get_token_method_class,
     off_policy_reasons,
     register_token_method,
@@ -41,7 +43,8 @@ from opefo_trl.methods.base import (
 # The built-in methods, registered in this order (the order of the methods table and of OPEFOConfig's bases).
 # isort: off
 from opefo_trl.methods.grpo import GRPO
-from opefo_trl.methods.opefo import OPEFO, REGIME_GUARD
+from opefo_trl.methods.opefo import OPEFO
+from opefo_trl.methods.opefo_regime import REGIME_GUARD
 from opefo_trl.methods.par import PAR
 from opefo_trl.methods.clip_cov import ClipCov, covariance_scores
 from opefo_trl.methods.kl_cov import KLCov
@@ -118,12 +121,14 @@ __all__ = [
     "ClipCov",
     "KLCov",
     "MethodContext",
+    "RolloutWeights",
     "StepChange",
     "TokenBatch",
     "TokenMethod",
     "TokenTerms",
     "build_token_method",
     "covariance_scores",
+    "decide_rollout_weights",
     "get_token_method_class",
     "method_choices",
     "methods_table",

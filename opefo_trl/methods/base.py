@@ -1,5 +1,5 @@
-"""The token-method protocol: what a method sees (`TokenBatch`, `MethodContext`), what it returns (`TokenTerms`), the
-base class `TokenMethod` (plain GRPO) and the registry.
+"""The token-method protocol: what a method sees (`TokenBatch`, `MethodContext`), what it returns (`RolloutWeights`,
+`TokenTerms`), the base class `TokenMethod` (plain GRPO) and the registry.
 
 Pure torch, no TRL import. A method is one class, registered by name with ``@register_token_method("name")``:
 
@@ -11,7 +11,10 @@ Pure torch, no TRL import. A method is one class, registered by name with ``@reg
   about) when the config is built, before any model loads.
 - ``needs_rollout_pass``: the method needs the whole rollout batch before the first backward; the trainer then
   computes every token's loss factor and entropy flow and calls ``rollout_weights`` once per rollout batch.
-- ``rollout_weights(batch, context)``: detached (B, T) weights multiplied into the advantages, or None.
+- ``rollout_weights(batch, context)``: what the method decided for the rollout batch, a ``RolloutWeights``: detached
+  (B, T) weights multiplied into the advantages (or none), and, when they are 1 + lambda * s_t, ``lam`` and the signs
+  s_t. Consumers read these fields and infer nothing: with ``lam`` and the signs of the step model the method built,
+  the trainer writes the step's gradient itself (``opefo_trl.trainer.stand_ins``); without, TRL's pass computes it.
 - ``micro_batch_terms(batch, logps, context)``: on every micro-batch inside the loss, with the current log-probs
   ``logps`` still attached to the graph: ``TokenTerms`` (advantage weights and/or an extra per-token loss, which the
   trainer aggregates exactly like TRL's policy loss).
@@ -69,6 +72,49 @@ class TokenBatch:
     def in_loss(self) -> torch.Tensor:
         """Boolean (B, T): the tokens the loss acts on (factor > 0); windows and counts are taken over these."""
         return self.factor > 0
+
+
+@dataclass(frozen=True)
+class RolloutWeights:
+    """What a method's ``rollout_weights`` decided for a rollout batch.
+
+    ``weights``: detached (B, T) weights >= 0 multiplied into the advantages, or None (the tokens are not reweighted).
+    ``lam`` and ``signs`` are given exactly when the weights are 1 + lam * signs (``signs`` (B, T) in {-1, 0, 1}, as
+    OPEFO's): when ``signs`` are those the method built the step model with (``context.step_change(signs)``), the
+    gradient of the reweighted loss is a + lam b of that model. Weights of any other form (STEER's, STARE's) leave
+    both None.
+
+    >>> RolloutWeights.affine(0.5, torch.tensor([[1.0, -1.0, 0.0]])).weights.tolist()
+    [[1.5, 0.5, 1.0]]
+    """
+
+    weights: torch.Tensor | None = None
+    lam: float | None = None
+    signs: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if (self.lam is None) != (self.signs is None):
+            raise ValueError("RolloutWeights: give lam and signs together (weights 1 + lam * signs), or neither.")
+        if self.lam is not None and self.weights is None:
+            raise ValueError("RolloutWeights: lam and signs describe weights; give the weights 1 + lam * signs too.")
+
+    @classmethod
+    def affine(cls, lam: float, signs: torch.Tensor) -> RolloutWeights:
+        """The weights 1 + lam * signs (fp32), with lam and signs."""
+        return cls(1.0 + torch.as_tensor(lam, dtype=torch.float32, device=signs.device) * signs, lam, signs)
+
+
+def decide_rollout_weights(method: TokenMethod, batch: TokenBatch, context: MethodContext) -> RolloutWeights:
+    """``method.rollout_weights(batch, context)``, refused unless it is a ``RolloutWeights`` (a bare tensor says
+    nothing about its form)."""
+    decided = method.rollout_weights(batch, context)
+    if not isinstance(decided, RolloutWeights):
+        raise TypeError(
+            f"{type(method).__name__}.rollout_weights returned {type(decided).__name__}; it must return a "
+            "RolloutWeights: RolloutWeights(weights) for weights of any form, RolloutWeights.affine(lam, signs) for "
+            "1 + lam * signs, RolloutWeights() for none (opefo_trl.methods.base)."
+        )
+    return decided
 
 
 @dataclass
@@ -184,8 +230,8 @@ class TokenMethod:
         """Build from a config object; subclasses that also read TRL options (e.g. epsilon) override this."""
         return cls(cls.settings_from(config))
 
-    def rollout_weights(self, batch: TokenBatch, context: MethodContext = SINGLE_PROCESS) -> torch.Tensor | None:
-        return None
+    def rollout_weights(self, batch: TokenBatch, context: MethodContext = SINGLE_PROCESS) -> RolloutWeights:
+        return RolloutWeights()
 
     def micro_batch_terms(
         self, batch: TokenBatch, logps: torch.Tensor, context: MethodContext = SINGLE_PROCESS

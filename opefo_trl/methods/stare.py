@@ -13,6 +13,7 @@ from opefo_trl.maths.order_stats import kth_largest
 from opefo_trl.methods.base import (
     SINGLE_PROCESS,
     MethodContext,
+    RolloutWeights,
     TokenBatch,
     TokenMethod,
     register_token_method,
@@ -84,7 +85,7 @@ class STARE(TokenMethod):
     needs_rollout_pass = True
     table_rows = (("STARE", '`method="stare"` ({defaults}; `stare_variant="C2"` also damps negative tokens)'),)
 
-    def rollout_weights(self, batch: TokenBatch, context: MethodContext = SINGLE_PROCESS) -> torch.Tensor:
+    def rollout_weights(self, batch: TokenBatch, context: MethodContext = SINGLE_PROCESS) -> RolloutWeights:
         in_loss = batch.in_loss
         sums = context.reduce_sum(torch.stack([(batch.entropies.double() * in_loss).sum(), in_loss.sum().double()]))
         entropy = float(sums[0] / sums[1].clamp(min=1))
@@ -109,4 +110,4 @@ class STARE(TokenMethod):
             "stare/positive_frac": float(counts[0]) / tokens,
             "stare/negative_frac": float(counts[1]) / tokens,
         }
-        return weights
+        return RolloutWeights(weights)

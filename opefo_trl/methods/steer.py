@@ -12,6 +12,7 @@ from opefo_trl.maths.order_stats import kth_largest
 from opefo_trl.methods.base import (
     SINGLE_PROCESS,
     MethodContext,
+    RolloutWeights,
     TokenBatch,
     TokenMethod,
     register_token_method,
@@ -75,7 +76,7 @@ class STEER(TokenMethod):
         ),
     )
 
-    def rollout_weights(self, batch: TokenBatch, context: MethodContext = SINGLE_PROCESS) -> torch.Tensor:
+    def rollout_weights(self, batch: TokenBatch, context: MethodContext = SINGLE_PROCESS) -> RolloutWeights:
         if batch.flow is None:
             raise ValueError("STEER needs the batch's entropy flow (TokenBatch.flow).")
         in_loss = batch.in_loss
@@ -83,7 +84,7 @@ class STEER(TokenMethod):
         tokens = int(context.reduce_sum(in_loss.sum().to(torch.float64)))
         if tokens == 0:
             self.metrics = {}
-            return torch.ones_like(omega)
+            return RolloutWeights(torch.ones_like(omega))
         largest = float(kth_largest(omega, in_loss, 1, context.reduce_sum))
         w_min, w_max = self.settings.steer_weight_min, self.settings.steer_weight_max
         if self.settings.steer_mapping == "exp":
@@ -105,4 +106,4 @@ class STEER(TokenMethod):
             "steer/floor_frac": float(sums[1]) / tokens,
             "steer/omega_max": largest,
         }
-        return weights
+        return RolloutWeights(weights)

@@ -19,9 +19,10 @@ import torch
 
 from opefo_trl.maths.entropy_flow import TABULAR_ESTIMATES, FlowStats, flow_per_unit_advantage, flow_stats
 from opefo_trl.maths.ranks import ReduceSum
-from opefo_trl.methods import MethodContext, TokenBatch, TokenMethod
+from opefo_trl.methods import MethodContext, TokenBatch, TokenMethod, decide_rollout_weights
 from opefo_trl.trainer.batch_state import STATE_KEY, MicroBatchState, per_token
 from opefo_trl.trainer.loss_mirror import LossMirror
+from opefo_trl.trainer.stand_ins import served_scores, write_gradient
 
 
 class LossCall:
@@ -45,12 +46,10 @@ class LossCall:
         return True  # the loss scores only the policy (possibly DDP/DeepSpeed-wrapped)
 
     def served(self) -> tuple[torch.Tensor, torch.Tensor, None] | None:
-        """What TRL's scoring call returns without running the model, when the rollout pass wrote the gradient: the
-        estimate's log pi_t (a leaf TRL's loss backpropagates into, reaching no parameter) and H_t."""
-        served = None if self.state is None else self.state.served
-        if served is None:
+        """What TRL's scoring call returns without running the model (None: it runs)."""
+        if self.state is None or self.state.served is None:
             return None
-        return served.logps.detach().requires_grad_(True), served.entropies, None
+        return served_scores(self.state.served)  # a stand-in for TRL's forward (stand_ins.py says when it is exact)
 
     def observe(self, logps: torch.Tensor, entropies: torch.Tensor, vocab: tuple) -> None:
         self.weigher.apply(self, logps, entropies, vocab)
@@ -63,7 +62,7 @@ class MicroBatchWeigher:
     rollout_flow: the rollout pass computes factor and flow (then the loss reads them from the micro-batch's state).
     loss: TRL's loss factor and aggregation.
     reduce_sum: sums a tensor over ranks; ``log_metrics``: where metrics go; ``main_process``: warnings go there.
-    params: the trainable parameters, whose ``.grad`` a rollout's written gradient goes into.
+    params: the trainable parameters, whose ``.grad`` a rollout's written gradient goes into (``stand_ins``).
     task_tokens: ``entropy_flow_task_tokens``: the diagnostics also log the shares of the flow sampled outside them.
     check_mirror: the factor is used (flows, weights): the first micro-batch's TRL loss is checked against it once
         (``LossMirror.check_against_trl``).
@@ -118,8 +117,8 @@ class MicroBatchWeigher:
         if deferred:
             assert unit is not None  # computed above for the deferred weights
             rollout = TokenBatch(logps_detached, entropies, original, factor, original * unit, old_logps)
-            weights = self.method.rollout_weights(rollout, self.context)
-            if weights is not None:  # None: unweighted, as in RolloutWeigher.prepare
+            weights = decide_rollout_weights(self.method, rollout, self.context).weights
+            if weights is not None:  # None: unweighted, as in RolloutWeigher.weigh
                 advantages = advantages * weights
             call.weighted = True
         batch = TokenBatch(
@@ -160,9 +159,8 @@ class MicroBatchWeigher:
             loss = loss + self.loss.aggregate(call.extra_loss, call.inputs)
         if call.factor_loss is not None:
             loss = loss + call.factor_loss.sum()
-        if call.state is not None and call.state.gradient is not None:  # the rollout's whole gradient, written once
-            for p, g in zip(self.params(), call.state.gradient, strict=True):
-                p.grad = g if p.grad is None else p.grad.add_(g)
+        if call.state is not None and call.state.gradient is not None:  # a stand-in for TRL's backward (stand_ins.py)
+            write_gradient(self.params(), call.state.gradient)
         return loss
 
     def end_optimizer_step(self) -> None:

@@ -23,7 +23,7 @@ from opefo_trl.maths.optimizer import check_optimizer
 from opefo_trl.maths.param_flow import ParamFlow, ParamFlowEstimator, imprecision
 from opefo_trl.maths.ranks import ReduceSum
 from opefo_trl.maths.step_model import StepModel
-from opefo_trl.methods import StepChange
+from opefo_trl.methods import RolloutWeights, StepChange
 from opefo_trl.trainer.batch_state import RolloutItem, Scores
 from opefo_trl.trainer.loss_mirror import LossMirror
 
@@ -65,7 +65,6 @@ class ParamEstimate:
         self.optimizer, self.max_grad_norm = optimizer, max_grad_norm
         self.log_metrics, self.main_process = log_metrics, main_process
         self._warned_imprecise = False
-        self._warned_fallback = False
         self._step: tuple[torch.Tensor, StepModel] | None = None  # this rollout's signs and step model
         #: The micro-batches (and loss masks) of the earlier rollouts in the probe, oldest first.
         self._earlier: deque[list[tuple[RolloutItem, torch.Tensor]]] = deque(maxlen=probe_rollouts - 1)
@@ -155,27 +154,22 @@ class ParamEstimate:
 
         return averaged
 
-    def finish(self, weights: torch.Tensor | None, gradient: bool) -> list[torch.Tensor] | None:
+    def finish(self, decided: RolloutWeights, gradient: bool) -> list[torch.Tensor] | None:
         """The end of a rollout's estimate, once the method weighed it. With ``gradient``: the gradient of the loss TRL
-        will apply with those weights, g = a + lambda b, when the method weighted the tokens 1 + lambda * s_t with the
-        signs s_t of the step model it built (else None). On-policy, with a loss linear in the token weights, this is
-        the gradient TRL's training pass would compute; it is formed in place of a."""
+        will apply with the weights the method decided, g = a + lambda b, when it declares them 1 + lambda * s_t
+        (``decided.lam``) with the signs s_t of the step model it built; None when it built none or declared weights
+        of another form (TRL's training pass then computes the gradient). On-policy, with a loss linear in the token
+        weights, this is the gradient TRL's pass would compute (``opefo_trl.trainer.stand_ins``); it is formed in
+        place of a."""
         step, self._step = self._step, None
-        if step is None or not gradient:
+        if step is None or not gradient or decided.lam is None:
             return None
         signs, model = step
-        if weights is None:
-            lam = 0.0
-        else:
-            moved = signs != 0
-            lam = float(((weights - 1) * signs)[moved].median()) if moved.any() else 0.0
-            if not torch.allclose(weights, 1 + lam * signs, rtol=0, atol=8 * torch.finfo(torch.float32).eps):
-                if not self._warned_fallback and self.main_process:
-                    self._warned_fallback = True
-                    warnings.warn(
-                        "The method's weights are not 1 + lambda * s_t of the step model it built, so TRL's training "
-                        "pass computes the gradient instead of the rollout pass (warned once).",
-                        stacklevel=2,
-                    )
-                return None
-        return [a.add_(b, alpha=lam) for a, b in zip(model.a, model.b, strict=True)]
+        assert decided.signs is not None  # given with lam (RolloutWeights)
+        if decided.signs is not signs and not torch.equal(decided.signs, signs):
+            raise RuntimeError(
+                "The method's RolloutWeights declare signs other than those it built the step model with "
+                "(context.step_change(signs)): give RolloutWeights.affine the same signs, or no lam for weights of "
+                "another form."
+            )
+        return [a.add_(b, alpha=decided.lam) for a, b in zip(model.a, model.b, strict=True)]

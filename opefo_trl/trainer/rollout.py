@@ -22,7 +22,7 @@ import torch
 
 from opefo_trl.maths.entropy_flow import TABULAR_ESTIMATES, flow_per_unit_advantage
 from opefo_trl.maths.ranks import ReduceSum
-from opefo_trl.methods import MethodContext, TokenBatch, TokenMethod
+from opefo_trl.methods import MethodContext, TokenBatch, TokenMethod, decide_rollout_weights
 from opefo_trl.trainer.audit import EntropyAudit
 from opefo_trl.trainer.batch_state import (
     MULTIMODAL_KEYS,
@@ -77,9 +77,10 @@ class RolloutWeigher:
     num_iterations: TRL's updates per rollout batch.
     trl_scores_rollout: whether TRL runs its own old-log-prob pass over a rollout.
     writes_gradient: TRL's loss gradient is linear in the token weights (``LossMirror.gradient_is_linear``) and the
-        method adds no micro-batch terms: where the method's weights are 1 + lambda * s_t of the step model it built,
-        the rollout pass has the gradient TRL's training pass would compute, a + lambda b, and TRL's pass is skipped
-        (the loss is computed from the estimate's scores, so TRL's metrics are still logged).
+        method adds no micro-batch terms: where the method declares its weights 1 + lambda * s_t with the signs of the
+        step model it built (``RolloutWeights``), the rollout pass has the gradient TRL's training pass would compute,
+        a + lambda b, and TRL's pass is skipped (the loss is computed from the estimate's scores, so TRL's metrics
+        are still logged; ``opefo_trl.trainer.stand_ins``).
     generation: reads log pi_t and H_t from the logits of generation (``GenerationStats``), where they would
         otherwise take a scoring pass of their own.
     """
@@ -174,8 +175,9 @@ class RolloutWeigher:
                 item.scores = self.scorer.score(item.batch, vocab=self.estimate == "full").detached()
         token_batches = [self._flow(item, None if flow is None else flow.alignment[i]) for i, item in enumerate(items)]
         whole = _joined(token_batches)
-        weights = self.method.rollout_weights(whole, context)
-        gradient = None if self.param is None else self.param.finish(weights, self.writes_gradient)
+        decided = decide_rollout_weights(self.method, whole, context)
+        gradient = None if self.param is None else self.param.finish(decided, self.writes_gradient)
+        weights = decided.weights
         parts = [None] * len(items) if weights is None else weights.split([len(b.logps) for b in token_batches])
         for i, (item, part) in enumerate(zip(items, parts, strict=True)):
             if part is not None:
@@ -185,7 +187,7 @@ class RolloutWeigher:
                 item.factor,
                 item.unit_flow,
                 audit_entropies=item.audit_entropies,
-                served=None if gradient is None else item.scores,
+                served=None if gradient is None else item.scores,  # stand-ins for TRL's pass (stand_ins.py)
                 gradient=gradient if i == 0 else None,
             )
         if flow is not None:

@@ -6,7 +6,7 @@ import pytest
 
 from opefo_trl.demo import DemoMethod, summarize_history, train_one, warm_start
 from opefo_trl.demo.training import FINAL_WINDOW
-from opefo_trl.methods import OPEFO
+from opefo_trl.methods.opefo_regime import RegimeWatch
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +61,7 @@ def test_summarize_history_refuses_runs_without_flow_metrics():
 
 def test_regime_guard_is_recorded_per_run(tmp_path, monkeypatch, tiny_settings):
     # A threshold every lambda* exceeds and a 2-step window: the guard must fire, and the run must record its text.
-    monkeypatch.setattr(OPEFO, "REGIME_WINDOW", 2)
+    monkeypatch.setattr(RegimeWatch, "WINDOW", 2)
     settings = tiny_settings(pass_at_k_samples=0)
     model_path = warm_start(str(tmp_path), settings, "threads1", log=lambda _: None)
     method = DemoMethod("opefo", "OPEFO", {"method": "opefo", "opefo_lambda_warn": 1e-9})

@@ -16,9 +16,11 @@ from opefo_trl.methods import (
     TOKEN_METHODS,
     ClipCov,
     KLCov,
+    RolloutWeights,
     TokenMethod,
     TokenTerms,
     build_token_method,
+    decide_rollout_weights,
     methods_table,
     register_token_method,
     setting,
@@ -136,3 +138,24 @@ def test_the_readme_holds_the_methods_table_of_the_method_classes():
         "README.md's methods table differs from the method classes' rows: replace it with the output of "
         f"`python -m opefo_trl.methods`:\n{methods_table()}"
     )
+
+
+def test_rollout_weights_say_their_form_and_a_bare_tensor_is_refused():
+    """A method's decision is typed: weights of any form, or 1 + lam * signs with lam and signs, or none."""
+    signs = torch.tensor([[1.0, -1.0, 0.0]])
+    affine = RolloutWeights.affine(-0.25, signs)
+    assert affine.weights.tolist() == [[0.75, 1.25, 1.0]] and affine.lam == -0.25 and affine.signs is signs
+    assert RolloutWeights(torch.ones(1, 3)).lam is None and RolloutWeights().weights is None
+    with pytest.raises(ValueError, match="give lam and signs together"):
+        RolloutWeights(torch.ones(1, 3), lam=0.5)
+    with pytest.raises(ValueError, match="give the weights 1 \\+ lam \\* signs too"):
+        RolloutWeights(lam=0.5, signs=signs)
+    batch = random_batch()
+    assert decide_rollout_weights(TokenMethod(), batch, SINGLE_PROCESS) == RolloutWeights()
+
+    class BareTensor(TokenMethod):
+        def rollout_weights(self, batch, context=SINGLE_PROCESS):
+            return torch.ones_like(batch.logps)
+
+    with pytest.raises(TypeError, match=r"BareTensor.rollout_weights returned Tensor; it must return a RolloutWeights"):
+        decide_rollout_weights(BareTensor(), batch, SINGLE_PROCESS)

@@ -26,7 +26,7 @@ def hand_batch(entropy):
 def test_stare_o1_weights_the_top_surprisal_positive_tokens_while_entropy_is_below_target():
     # Positive group: 4 tokens in the loss, top 0.3 -> ceil(1.2) = 2 of highest -log pi: pi = 0.2 and 0.5.
     method = STARE(stare_top_ratio=0.3, stare_weight_positive=1.25, stare_target_entropy=0.5)
-    weights = method.rollout_weights(hand_batch(entropy=0.4))
+    weights = method.rollout_weights(hand_batch(entropy=0.4)).weights
     expected = torch.tensor([[1.0, 1.25, 1.25, 1.0, 1.0], [1.0] * 5], dtype=torch.float32)
     torch.testing.assert_close(weights, expected, rtol=0, atol=0)
     assert method.pop_metrics() == pytest.approx(
@@ -37,7 +37,7 @@ def test_stare_o1_weights_the_top_surprisal_positive_tokens_while_entropy_is_bel
 def test_stare_c2_also_damps_the_top_surprisal_negative_tokens():
     # Negative group: 5 tokens, top 0.3 -> ceil(1.5) = 2: pi = 0.05 and 0.3.
     method = STARE(stare_variant="C2", stare_top_ratio=0.3, stare_weight_negative=0.7, stare_target_entropy=0.5)
-    weights = method.rollout_weights(hand_batch(entropy=0.4))
+    weights = method.rollout_weights(hand_batch(entropy=0.4)).weights
     expected = torch.tensor([[1.0, 1.1, 1.1, 1.0, 1.0], [0.7, 1.0, 0.7, 1.0, 1.0]], dtype=torch.float32)
     torch.testing.assert_close(weights, expected, rtol=0, atol=0)
     assert method.pop_metrics()["stare/negative_frac"] == pytest.approx(2 / 9)
@@ -45,7 +45,7 @@ def test_stare_c2_also_damps_the_top_surprisal_negative_tokens():
 
 def test_stare_is_plain_grpo_once_the_entropy_reaches_the_target():
     method = STARE(stare_variant="C2", stare_target_entropy=0.5)
-    weights = method.rollout_weights(hand_batch(entropy=0.5))  # not below the target: gate off
+    weights = method.rollout_weights(hand_batch(entropy=0.5)).weights  # not below the target: gate off
     assert torch.equal(weights, torch.ones(2, 5))
     metrics = method.pop_metrics()
     assert metrics["stare/gate_on"] == 0.0 and metrics["stare/positive_frac"] > 0  # still measured
@@ -55,13 +55,13 @@ def test_stare_over_two_ranks_selects_the_shares_of_the_union():
     batch = random_batch(seed=7, b=6, t=30)
     batch.entropies = batch.entropies * 0.1  # mean 0.1: gate on
     method = STARE(stare_variant="C2", stare_top_ratio=0.15)
-    whole = method.rollout_weights(batch)
+    whole = method.rollout_weights(batch).weights
     assert (whole > 1).any() and (whole < 1).any()
     per_rank = run_ranks(lambda part, context: STARE(stare_variant="C2", stare_top_ratio=0.15).rollout_weights(
-        part, context), split_rows(batch, 2))  # fmt: skip
+        part, context).weights, split_rows(batch, 2))  # fmt: skip
     torch.testing.assert_close(torch.cat(per_rank), whole, rtol=0, atol=0)
     # Each rank alone would select its own shares: different from the union's.
-    alone = torch.cat([method.rollout_weights(part) for part in split_rows(batch, 2)])
+    alone = torch.cat([method.rollout_weights(part).weights for part in split_rows(batch, 2)])
     assert not torch.equal(alone, whole)
 
 
@@ -70,7 +70,7 @@ def test_stare_selection_counts_are_the_ceiling_of_the_share():
     batch.entropies = batch.entropies * 0
     batch.advantages = torch.tensor([2.0, 1.0, -1.0, 0.0])[:, None].expand(4, 50)
     method = STARE(stare_variant="C2", stare_top_ratio=0.07)
-    weights = method.rollout_weights(batch)
+    weights = method.rollout_weights(batch).weights
     positive = int(((batch.advantages > 0) & batch.in_loss).sum())
     negative = int(((batch.advantages < 0) & batch.in_loss).sum())
     assert int((weights > 1).sum()) == math.ceil(0.07 * positive)
@@ -109,9 +109,9 @@ def test_stare_trains_with_opefo_trainer_and_trl_receives_the_weighted_advantage
     weighed, applied = [], []
 
     def record_weights(rollout_weights, batch, context):
-        weights = rollout_weights(batch, context)
-        weighed.append((batch, weights))
-        return weights
+        decided = rollout_weights(batch, context)
+        weighed.append((batch, decided.weights))
+        return decided
 
     def record_loss(finish, call, loss):
         applied.append(call.inputs["advantages"].clone())

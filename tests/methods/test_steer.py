@@ -25,7 +25,7 @@ def flow_batch(flow):
 def test_steer_exp_gives_the_largest_change_the_floor_and_no_change_weight_one():
     # |d| = 0.1, 0.4, 0, 0.2 in the loss: k = -ln 0.8 / 0.4, so w = 0.8 ** (|d| / 0.4).
     method = STEER(steer_weight_min=0.8)
-    weights = method.rollout_weights(flow_batch([[0.1, -0.4, 0.0, 0.2, 9.0]]))
+    weights = method.rollout_weights(flow_batch([[0.1, -0.4, 0.0, 0.2, 9.0]])).weights
     expected = torch.tensor([[0.8**0.25, 0.8, 1.0, 0.8**0.5]], dtype=torch.float64)
     torch.testing.assert_close(weights[:, :4].double(), expected, rtol=1e-6, atol=0)  # float32 weights
     metrics = method.pop_metrics()
@@ -37,7 +37,7 @@ def test_steer_exp_gives_the_largest_change_the_floor_and_no_change_weight_one()
 @pytest.mark.numerics
 def test_steer_exp_does_not_stretch_a_batch_of_small_changes_to_the_floor():
     # Largest |d| 0.01 < floor 0.02: k = -ln 0.8 / 0.02, so w = 0.8 ** (|d| / 0.02).
-    weights = STEER(steer_weight_min=0.8).rollout_weights(flow_batch([[0.01, -0.005, 0.0]]))
+    weights = STEER(steer_weight_min=0.8).rollout_weights(flow_batch([[0.01, -0.005, 0.0]])).weights
     expected = torch.tensor([[0.8**0.5, 0.8**0.25]], dtype=torch.float64)
     torch.testing.assert_close(weights[:, :2].double(), expected, rtol=1e-6, atol=0)
 
@@ -46,23 +46,23 @@ def test_steer_exp_does_not_stretch_a_batch_of_small_changes_to_the_floor():
 def test_steer_linear_maps_the_changes_onto_the_weight_range():
     # |d| in [0, 0.4] onto [1.2, 0.8]: w = 1.2 - |d|.
     method = STEER(steer_mapping="linear", steer_weight_min=0.8, steer_weight_max=1.2)
-    weights = method.rollout_weights(flow_batch([[0.1, -0.4, 0.0, 0.2, 9.0]]))
+    weights = method.rollout_weights(flow_batch([[0.1, -0.4, 0.0, 0.2, 9.0]])).weights
     expected = torch.tensor([[1.1, 0.8, 1.2, 1.0]], dtype=torch.float64)
     torch.testing.assert_close(weights[:, :4].double(), expected, rtol=1e-6, atol=0)
-    same = method.rollout_weights(flow_batch([[0.3, -0.3, 0.3]]))  # every change equal: the middle weight
+    same = method.rollout_weights(flow_batch([[0.3, -0.3, 0.3]])).weights  # every change equal: the middle weight
     torch.testing.assert_close(same[:, :2], torch.full((1, 2), 1.0))
 
 
 def test_steer_over_two_ranks_scales_by_the_union_extremes():
     batch = random_batch(seed=9, b=6, t=30)
     for mapping in ("exp", "linear"):
-        whole = STEER(steer_mapping=mapping).rollout_weights(batch)
+        whole = STEER(steer_mapping=mapping).rollout_weights(batch).weights
         per_rank = run_ranks(
-            lambda part, context, mapping=mapping: STEER(steer_mapping=mapping).rollout_weights(part, context),
+            lambda part, context, mapping=mapping: STEER(steer_mapping=mapping).rollout_weights(part, context).weights,
             split_rows(batch, 2),
         )
         torch.testing.assert_close(torch.cat(per_rank), whole, rtol=0, atol=0)
-        alone = torch.cat([STEER(steer_mapping=mapping).rollout_weights(part) for part in split_rows(batch, 2)])
+        alone = torch.cat([STEER(steer_mapping=mapping).rollout_weights(part).weights for part in split_rows(batch, 2)])
         assert not torch.equal(alone, whole), mapping  # each rank's own extremes differ from the union's
 
 
@@ -104,9 +104,9 @@ def test_steer_trains_with_opefo_trainer_and_trl_receives_the_weighted_advantage
     weighed, applied = [], []
 
     def record_weights(rollout_weights, batch, context):
-        weights = rollout_weights(batch, context)
-        weighed.append((batch, weights))
-        return weights
+        decided = rollout_weights(batch, context)
+        weighed.append((batch, decided.weights))
+        return decided
 
     def record_loss(finish, call, loss):
         applied.append(call.inputs["advantages"].clone())
@@ -118,6 +118,6 @@ def test_steer_trains_with_opefo_trainer_and_trl_receives_the_weighted_advantage
     assert len(weighed) == len(applied) == 2 and len(logged(trainer, "steer/weight_mean")) == 2
     for (batch, weights), advantages in zip(weighed, applied, strict=True):
         assert batch.flow is not None and weights[batch.in_loss].min() < 1
-        expected = STEER().rollout_weights(batch)  # the same rollout, weighed again on its own
+        expected = STEER().rollout_weights(batch).weights  # the same rollout, weighed again on its own
         torch.testing.assert_close(weights, expected, rtol=0, atol=0)
         torch.testing.assert_close(advantages, batch.advantages * weights, rtol=1e-6, atol=0)

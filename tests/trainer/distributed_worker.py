@@ -76,18 +76,18 @@ def main(
                 saved["unit_flow"] = state.unit_flow
 
     def record_weights(batch, context):
-        weights = rollout_weights(batch, context)
+        decided = rollout_weights(batch, context)
         records.append(
             dict(
                 micro_batches=micro_batches[-1],
                 flow=batch.flow,
                 factor=batch.factor,
                 logps=batch.logps,
-                weights=weights,
+                weights=decided.weights,
                 **trainer.token_method._rollout_metrics,
             )
         )
-        return weights
+        return decided
 
     trainer.rollout.weigh = record_micro_batches
     trainer.token_method.rollout_weights = record_weights

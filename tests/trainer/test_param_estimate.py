@@ -163,6 +163,39 @@ def test_a_method_with_micro_batch_terms_keeps_trls_pass(
     assert trainer.loss_mirror.gradient_is_linear and not trainer.rollout.writes_gradient
 
 
+def test_the_gradient_is_formed_from_the_lambda_and_signs_the_method_declared(
+    tiny_model_path, tiny_dataset, length_reward, tmp_path
+):
+    """ParamEstimate.finish reads lam and the signs from the method's RolloutWeights: g = a + lam b when they are those
+    of the step model it built; weights of another form declare no lam and TRL's pass computes the gradient (no guess,
+    no warning); signs other than the step model's are a method's error, raised."""
+    import warnings
+    from types import SimpleNamespace
+
+    from opefo_trl.methods import RolloutWeights
+
+    trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path, **STEP_BALANCE))
+    estimate, signs = trainer.param_estimate, torch.tensor([[1.0, -1.0, 0.0]])
+
+    def finish(decided, gradient=True):
+        model = SimpleNamespace(a=[torch.tensor([1.0, 2.0])], b=[torch.tensor([10.0, -10.0])])
+        estimate._step = (signs, model)  # what step_change keeps when the method builds the step model
+        return estimate.finish(decided, gradient)
+
+    (g,) = finish(RolloutWeights.affine(0.25, signs))
+    assert g.tolist() == [3.5, -0.5]
+    (g,) = finish(RolloutWeights.affine(0.25, signs.clone()))  # equal signs, another tensor
+    assert g.tolist() == [3.5, -0.5]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert finish(RolloutWeights(1.0 + 0.25 * signs)) is None  # 1 + lam s_t in value, but not declared so
+        assert finish(RolloutWeights()) is None
+    assert finish(RolloutWeights.affine(0.25, signs), gradient=False) is None
+    with pytest.raises(RuntimeError, match="declare signs other than those it built the step model with"):
+        finish(RolloutWeights.affine(0.25, -signs))
+    assert estimate.finish(RolloutWeights.affine(0.25, signs), True) is None  # no step model built this rollout
+
+
 def _first_rollout(trainer):
     """The micro-batches of the trainer's first rollout, before they are weighed."""
     trainer.create_optimizer()

@@ -1,0 +1,168 @@
+"""OPEFO's regime watch (this library's; docs/algorithm.md, "The regime guard"): where the reweighted flow sits, and a
+warning, once each, when OPEFO runs far outside the regime the paper studied or a batch is one-sided."""
+
+from __future__ import annotations
+
+import warnings
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from opefo_trl.maths.entropy_flow import FlowStats
+from opefo_trl.maths.ranks import ReduceSum
+from opefo_trl.methods.base import TokenBatch, setting
+
+#: The start of every regime-guard warning (docs/algorithm.md, "The regime guard").
+REGIME_GUARD = "OPEFO regime guard: "
+
+
+@dataclass
+class RegimeSettings:
+    """The regime watch's options of ``method="opefo"``."""
+
+    opefo_low_prob: float = setting(
+        0.01,
+        "Tokens sampled with a probability below this are 'negligible' for opefo/low_prob_flow_share (the share "
+        "of the reweighted entropy flow they carry) and for the regime guard's warning when, over the last 20 "
+        "steps, they carry most of it: entropy held by tokens the policy almost never samples is not exploration.",
+    )
+    opefo_lambda_warn: float = setting(
+        0.1,
+        "Warn once when |lambda*| averaged over the last 20 optimizer steps exceeds this: the paper's lambda* is "
+        "~1e-3, and a large one means the entropy flow is far from balanced, so OPEFO's reweighting is no longer a "
+        "small correction.",
+    )
+
+    def check_regime(self) -> None:
+        if not 0 < self.opefo_low_prob < 1:
+            raise ValueError(f"opefo_low_prob is a probability in (0, 1); got {self.opefo_low_prob}.")
+        if not self.opefo_lambda_warn > 0:
+            raise ValueError(f"opefo_lambda_warn must be > 0; got {self.opefo_lambda_warn}.")
+
+
+class RegimeWatch:
+    """Watches OPEFO's rollout batches: ``settings`` are OPEFO's (the watch's own, and ``opefo_balance`` for its
+    advice), ``flow_estimate`` the ``entropy_flow_estimate`` (also for its advice)."""
+
+    #: Optimizer steps over which the regime guard averages |lambda*|.
+    WINDOW = 20
+    #: The regime guard also warns once when a rollout's mean token entropy exceeds this multiple of the first
+    #: rollout's: on the demo's digit-sum task healthy OPEFO runs peaked at 1.14x their start, and a run on its way to
+    #: a uniform policy (reward 0) crossed 1.2x two steps before it died, with |lambda*| averaging only 0.04.
+    ENTROPY_RISE_WARN = 1.2
+    #: The regime guard warns once when negligible-probability tokens carry more than this share of the reweighted
+    #: flow on average over its window.
+    LOW_PROB_WARN = 0.5
+
+    def __init__(self, settings: Any, flow_estimate: str) -> None:
+        self.settings, self.flow_estimate = settings, flow_estimate
+        self._recent_lambdas: deque[float] = deque(maxlen=self.WINDOW)
+        self._recent_low_prob: deque[float] = deque(maxlen=self.WINDOW)
+        self._first_entropy: float | None = None
+        self._pending_warnings: list[str] = []
+        self._warned: set[str] = set()
+        self._warned_one_sided = False
+
+    def observe(
+        self,
+        batch: TokenBatch,
+        flow: torch.Tensor,
+        weights: torch.Tensor,
+        lambda_star: float,
+        reduce_sum: ReduceSum,
+    ) -> float:
+        """Record a weighed rollout batch; returns the share of its reweighted flow carried by negligible-probability
+        tokens (opefo/low_prob_flow_share)."""
+        self._recent_lambdas.append(abs(lambda_star))
+        in_loss = batch.in_loss.double()
+        # Where the reweighted flow sits: the share of it carried by tokens sampled with negligible probability.
+        moved = (batch.factor.double() * flow.double() * weights.double()).abs()
+        negligible = (batch.logps.exp() < self.settings.opefo_low_prob).double()
+        sums = reduce_sum(
+            torch.stack(
+                [(batch.entropies.double() * in_loss).sum(), in_loss.sum(), (moved * negligible).sum(), moved.sum()]
+            )
+        )
+        low_prob_share = float(sums[2] / sums[3]) if float(sums[3]) > 0 else 0.0
+        self._recent_low_prob.append(low_prob_share)
+        self._watch(float(sums[0] / sums[1].clamp(min=1)))
+        return low_prob_share
+
+    def warn_if_one_sided(self, stats: FlowStats) -> None:
+        """P = 0 or N = 0 with flow on the other side: lambda* = +/-1 zeroes every token of that side (warned once)."""
+        one_sided = (float(stats.increase) == 0.0) != (float(stats.decrease) == 0.0)
+        if not one_sided or self._warned_one_sided:
+            return
+        self._warned_one_sided = True
+        empty, other = ("S+", "S-") if float(stats.increase) == 0.0 else ("S-", "S+")
+        warnings.warn(
+            f"OPEFO: this rollout batch has no entropy-{'increasing' if empty == 'S+' else 'decreasing'} token "
+            f"({empty} is empty: P={float(stats.increase):.3g}, N={float(stats.decrease):.3g}, "
+            f"{int(stats.increase_tokens)} / {int(stats.decrease_tokens)} tokens in S+ / S- of "
+            f"{int(stats.tokens)}), so "
+            f"lambda* = {float(stats.lambda_star):+g} gives every {other} token weight 0: only tokens with zero flow "
+            "keep weight 1, and the policy-gradient step is (nearly) empty. This happens when almost every token "
+            "moves entropy the same way (e.g. a batch of mostly EOS or forced tokens). Warned once; opefo/lambda logs "
+            "lambda* every step.",
+            stacklevel=3,
+        )
+
+    def _advice(self) -> str:
+        if self.settings.opefo_balance == "step":
+            return "compare it with method='grpo' on the same data before trusting the balance."
+        if self.flow_estimate == "param":
+            return (
+                "the per-batch balance does not offset what Adam's momentum carries: try opefo_balance='step', which "
+                "zeroes the real step's first-order entropy change."
+            )
+        return (
+            f"with entropy_flow_estimate={self.flow_estimate!r} and the per-batch balance this can mislead: the "
+            "estimate gives a sampled token of tiny probability a flow of |A| |log pi + H| (no factor pi), so a few "
+            "rare tokens can make a batch look entropy-decreasing and OPEFO then raises entropy more than the network "
+            "needs, and Adam's momentum, which the per-batch balance does not offset, adds to it. Entropy can then "
+            "climb until the policy is uniform and every reward is 0 (seen on the demo's digit_sum task with "
+            "|lambda*| under 0.1). Watch entropy_flow/measured_delta (entropy_flow_audit_steps=1); if it stays "
+            "positive and entropy climbs above its start, use entropy_flow_estimate='param' with "
+            "opefo_balance='step'."
+        )
+
+    def _watch(self, entropy: float) -> None:
+        """Queue each of the guard's warnings once: |lambda*| large on average, the flow on negligible tokens, or
+        entropy far above its start."""
+        if self._first_entropy is None:
+            self._first_entropy = entropy
+        window = len(self._recent_lambdas)
+        mean = sum(self._recent_lambdas) / max(window, 1)
+        if "lambda" not in self._warned and window == self.WINDOW and mean > self.settings.opefo_lambda_warn:
+            self._warned.add("lambda")
+            self._pending_warnings.append(
+                f"{REGIME_GUARD}|lambda*| averaged over the last {self.WINDOW} optimizer steps is {mean:.3g} "
+                f"(> opefo_lambda_warn={self.settings.opefo_lambda_warn:g}); in the OPEFO paper lambda* stays around "
+                f"2.5e-4..1.75e-3, while balancing these batches takes token weights of 1 +/- {mean:.2f}, which can "
+                f"fight the learning signal instead of gently correcting it. {self._advice()} docs/algorithm.md ('The "
+                "regime') explains when OPEFO applies."
+            )
+        low_prob = sum(self._recent_low_prob) / max(len(self._recent_low_prob), 1)
+        if "low_prob" not in self._warned and window == self.WINDOW and low_prob > self.LOW_PROB_WARN:
+            self._warned.add("low_prob")
+            self._pending_warnings.append(
+                f"{REGIME_GUARD}over the last {self.WINDOW} optimizer steps, {low_prob:.0%} of the reweighted "
+                f"entropy flow was carried by tokens sampled with probability < opefo_low_prob="
+                f"{self.settings.opefo_low_prob:g} (opefo/low_prob_flow_share): the balance rests on tokens the policy "
+                "almost never samples, so the entropy it holds may sit on junk rather than on the task's choices. "
+                "Sample completions and look; docs/algorithm.md ('Where the entropy sits') explains the metric."
+            )
+        rise = entropy / self._first_entropy if self._first_entropy > 0 else 1.0
+        if "entropy" not in self._warned and rise > self.ENTROPY_RISE_WARN:
+            self._warned.add("entropy")
+            self._pending_warnings.append(
+                f"{REGIME_GUARD}the rollout's mean token entropy is {entropy:.3g}, {rise:.2f}x the first rollout's "
+                f"({self._first_entropy:.3g}; warned above {self.ENTROPY_RISE_WARN:g}x, |lambda*| averaged over the "
+                f"last {window} optimizer steps {mean:.3g}): OPEFO is meant to hold entropy, not raise it. "
+                f"{self._advice()}"
+            )
+
+    def regime_warning(self) -> str | None:
+        return self._pending_warnings.pop(0) if self._pending_warnings else None
