@@ -227,7 +227,6 @@ def test_prompt_longer_than_context_fails_before_model_loading(
     assert "context of 40 tokens" in capsys.readouterr().err
 
 
-
 def _cli_error(err: str) -> str:
     """opefo-train's one-line error: stderr from its ``opefo-train: error:`` line on, with no traceback anywhere. Only
     a progress bar of datasets may come before it (the first time a test process prepares the session's data file)."""
@@ -235,6 +234,7 @@ def _cli_error(err: str) -> str:
     assert start >= 0 and "Traceback" not in err, err
     assert all("\r" in line or not line.strip() for line in err[:start].split("\n")), err
     return err[start:]
+
 
 @pytest.mark.parametrize(
     "extra, error, message",
