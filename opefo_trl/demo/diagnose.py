@@ -64,8 +64,9 @@ def diagnostic_trainer_class() -> type[OPEFOTrainer]:
     from opefo_trl.maths.entropy_flow import flow_per_unit_advantage, flow_stats, lambda_star, token_weights
     from opefo_trl.maths.optimizer import adam_preconditioner, inner, param_groups
     from opefo_trl.maths.step_model import first_order_change
-    from opefo_trl.trainer.batch_state import RolloutItem, per_token
+    from opefo_trl.trainer.batch_state import RolloutItem
     from opefo_trl.trainer.parts import build_param_estimate
+    from opefo_trl.trainer.token_weights import carried_scores, per_token
 
     class DiagnosticTrainer(OPEFOTrainer):
         records: list[dict]
@@ -99,7 +100,7 @@ def diagnostic_trainer_class() -> type[OPEFOTrainer]:
                 self.records = []
             # A copy: the run's own micro-batches must stay as TRL built them. TRL's old-log-prob pass, where the
             # run captured it, gives log pi and H, as in the run's own rollout pass.
-            captured = None if self.rollout is None else self.rollout.state.captured
+            captured = carried_scores(batch)
             advantages_per_token = per_token(batch["advantages"], batch["completion_mask"]).float()
             item = RolloutItem(dict(batch), advantages_per_token, captured)
             _, flow = self.reference.estimate([item])

@@ -94,6 +94,8 @@ class OPEFO(TokenMethod):
         self.step_balance = StepBalance(self.settings)
         self.watch = RegimeWatch(self.settings, flow_estimate)
         self._rollout_metrics: dict[str, float] = {}
+        #: The last rollout batch, its flow, weights and flow sums, until the regime watch sees them.
+        self._watched: tuple[TokenBatch, torch.Tensor, torch.Tensor, FlowStats] | None = None
 
     @classmethod
     def from_config(cls, config) -> OPEFO:
@@ -109,7 +111,6 @@ class OPEFO(TokenMethod):
         over ranks: the reweighted flow sums to 0."""
         flow = _flow(batch)
         stats = FlowStats.from_tensor(context.reduce_sum(flow_stats(flow, batch.factor).to_tensor()))
-        self.watch.warn_if_one_sided(stats)
         signs = weight_signs(flow, self.settings.opefo_sides)
         metrics = {"opefo/lambda": float(stats.lambda_star)}
         if self.settings.opefo_lambda is not None:  # the paper's static-lambda ablation
@@ -123,16 +124,18 @@ class OPEFO(TokenMethod):
         weighted = FlowStats.from_tensor(
             context.reduce_sum(flow_stats(flow * decided.weights, batch.factor).to_tensor())
         )
-        low_prob_share = self.watch.observe(batch, flow, decided.weights, float(stats.lambda_star), context.reduce_sum)
-        self._rollout_metrics = {
-            **metrics,
-            "opefo/lambda_applied": lam,
-            "opefo/weighted_net": float(weighted.net),
-            "opefo/low_prob_flow_share": low_prob_share,
-        }
+        self._rollout_metrics = {**metrics, "opefo/lambda_applied": lam, "opefo/weighted_net": float(weighted.net)}
+        self._watched = (batch, flow, decided.weights, stats)  # for the regime watch, at the step's end
         return decided
 
     def on_optimizer_step(self, context: MethodContext = SINGLE_PROCESS) -> None:
+        if self._watched is not None:  # the regime watch sees each rollout batch once
+            batch, flow, weights, stats = self._watched
+            self._watched = None
+            self.watch.warn_if_one_sided(stats)
+            self._rollout_metrics["opefo/low_prob_flow_share"] = self.watch.observe(
+                batch, flow, weights, float(stats.lambda_star), context.reduce_sum
+            )
         # Logged on every optimizer step, also when one rollout batch serves several (off-policy opt-in).
         self.metrics = dict(self._rollout_metrics)
 

@@ -1,15 +1,10 @@
-"""What the trainer keeps per rollout batch and per micro-batch of TRL's, and where it keeps it.
+"""What the trainer keeps per micro-batch of TRL's, and the scores it is computed from (data only).
 
 TRL shuffles the rollout batch and splits it into the micro-batch dicts it trains on (``GRPOTrainer._prepare_inputs``);
-the trainer adds two keys to those dicts:
-
-- ``ROLLOUT_ROW_KEY``, before the split: each completion's row in the rollout batch, so that statistics taken over the
-  whole rollout (TRL's old-log-prob pass) can be read per micro-batch after TRL's shuffle (`Scores.rows`);
-- ``STATE_KEY``, after the split: the micro-batch's :class:`MicroBatchState`, written once per rollout and only read
-  afterwards (TRL reuses the dicts when ``num_iterations > 1``).
-
-While a rollout batch is weighed, each of its micro-batches is one :class:`RolloutItem` (``rollout.py``, the `param`
-estimate and its probes), from which the micro-batch's ``MicroBatchState`` is written.
+after the split the trainer adds ``STATE_KEY`` to each: the micro-batch's :class:`MicroBatchState`, written once per
+rollout and only read afterwards (TRL reuses the dicts when ``num_iterations > 1``). While a rollout batch is weighed,
+each of its micro-batches is one :class:`RolloutItem` (``token_weights.py``, the `param` estimate and its probes), from
+which the micro-batch's ``MicroBatchState`` is written. One scoring forward's statistics are :class:`Scores`.
 """
 
 from __future__ import annotations
@@ -19,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 STATE_KEY = "opefo"
-ROLLOUT_ROW_KEY = "opefo_rollout_row"
 #: Inputs the trainer's own scoring passes cannot feed (they score text only).
 MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "token_type_ids")
 
@@ -43,10 +37,6 @@ class Scores:
 
     def detached(self) -> Scores:
         return self._map(torch.Tensor.detach)
-
-    def rows(self, index: torch.Tensor) -> Scores:
-        """The statistics of the rows ``index`` (a micro-batch's rows of the rollout batch)."""
-        return self._map(lambda t: t[index])
 
     def _map(self, function) -> Scores:
         def apply(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -72,8 +62,8 @@ class MicroBatchState:
     instead (same parameters, one forward fewer); factor and flow are then computed there too. ``audit_entropies``:
     the entropies before the update, taken in full precision by the `param` estimate (None: the audit takes the
     training forward's). ``served`` / ``gradient``: when the rollout pass already has the gradient of the loss TRL
-    will apply (``RolloutWeigher``), the loss forward takes log pi_t and H_t from ``served`` instead of running the
-    model, and the first micro-batch writes ``gradient`` into the parameters' ``.grad``.
+    will apply (``token_weights.RolloutWeigher``), the loss forward takes log pi_t and H_t from ``served`` instead of
+    running the model, and the first micro-batch writes ``gradient`` into the parameters' ``.grad``.
     """
 
     advantages: torch.Tensor
@@ -97,15 +87,3 @@ class RolloutItem:
     factor: torch.Tensor | None = None
     unit_flow: torch.Tensor | None = None
     audit_entropies: torch.Tensor | None = None
-
-
-def per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Sequence-level advantages (B,) broadcast to the per-token shape of ``like``; (B, T) ones as they are."""
-    return advantages.unsqueeze(1).expand_as(like) if advantages.dim() == 1 else advantages
-
-
-def sequence(batch: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """input_ids, attention_mask and completion length of a TRL micro-batch."""
-    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    return input_ids, attention_mask, batch["completion_ids"].size(1)

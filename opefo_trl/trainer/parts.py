@@ -13,10 +13,12 @@ from functools import partial
 from typing import Any
 
 import torch
+from accelerate.utils import reduce
 from trl import GRPOTrainer
 
 from opefo_trl.maths.entropy_flow import TABULAR_ESTIMATES
 from opefo_trl.maths.param_jvp import core_model
+from opefo_trl.maths.ranks import ReduceSum
 from opefo_trl.methods import TokenMethod
 from opefo_trl.trainer import model_setup
 from opefo_trl.trainer.audit import EntropyAudit
@@ -24,11 +26,10 @@ from opefo_trl.trainer.checks import RewardCheck
 from opefo_trl.trainer.config import uses_loss_factor
 from opefo_trl.trainer.generation_stats import GenerationStats
 from opefo_trl.trainer.loss_mirror import LossMirror, trl_scores_rollout
-from opefo_trl.trainer.micro_batch import MicroBatchWeigher
 from opefo_trl.trainer.param_estimate import ParamEstimate
 from opefo_trl.trainer.probe import FixedProbe
-from opefo_trl.trainer.rollout import RolloutWeigher
 from opefo_trl.trainer.scoring import Scorer
+from opefo_trl.trainer.token_weights import MicroBatchWeigher, RolloutWeigher
 
 
 class TrainerAccess:
@@ -37,9 +38,8 @@ class TrainerAccess:
 
     def __init__(self, trainer: Any):
         self.trainer = trainer
-
-    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.trainer.accelerator.reduce(tensor, reduction="sum")
+        #: Sums a tensor over ranks: accelerate's reduction itself, which ``Accelerator.reduce`` calls.
+        self.reduce_sum: ReduceSum = partial(reduce, reduction="sum")
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
         for name, value in metrics.items():
@@ -163,6 +163,7 @@ def build_parts(trainer: Any, probe_prompts: Any = None) -> Parts:
         args.entropy_flow_diagnostics,
         rollout_flow,
         loss_mirror,
+        scorer,
         access.reduce_sum,
         access.log_metrics,
         trainer.accelerator.is_main_process,

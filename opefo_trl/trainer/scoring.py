@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from trl.models.utils import disable_gradient_checkpointing
@@ -31,11 +31,18 @@ from trl.trainer.utils import maybe_gather_lm_head_ctx
 from opefo_trl.maths.lm_head import policy_log_probs
 from opefo_trl.maths.param_jvp import completion_jvp, core_model, named_tangents
 from opefo_trl.maths.vocab_stats import vocab_stats
-from opefo_trl.trainer.batch_state import Scores, sequence
+from opefo_trl.trainer.batch_state import Scores
 
 #: TRL's scoring function: (model, input_ids, attention_mask, logits_to_keep, batch_size=, compute_entropy=) ->
 #: (logps, entropies, aux_loss), `GRPOTrainer._get_per_token_logps_and_entropies` bound to the trainer.
 TrlScore = Callable[..., tuple[torch.Tensor, torch.Tensor, Any]]
+
+
+def sequence(batch: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """input_ids, attention_mask and completion length of a TRL micro-batch."""
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    return input_ids, attention_mask, batch["completion_ids"].size(1)
 
 
 def logit_scale(text_config) -> float:
@@ -47,19 +54,6 @@ def logit_scale(text_config) -> float:
         scaling = text_config.logits_scaling
         return scaling if text_config.model_type == "hyperclovax" else 1 / scaling
     return 1.0
-
-
-class ScoringObserver(Protocol):
-    """What observes one of TRL's scoring calls (`RolloutCapture`, `LossCall`)."""
-
-    needs_vocab_stats: bool
-
-    def accepts(self, model: Any) -> bool: ...
-
-    def observe(self, logps: torch.Tensor, entropies: torch.Tensor, vocab: tuple) -> None: ...
-
-    def served(self) -> tuple[torch.Tensor, torch.Tensor, Any] | None:
-        """What the call returns without running the model (None: it runs)."""
 
 
 @dataclass
@@ -93,34 +87,9 @@ class Scorer:
     vocab_chunk_size: int = 16384
     #: ``entropy_flow_task_tokens`` when the `param` flow measures the entropy over them (else None).
     entropy_tokens: torch.Tensor | None = None
-    #: The observer of TRL's scoring calls inside the trainer hook in progress (``observing``), if any.
-    observer: ScoringObserver | None = field(default=None, init=False)
 
     def core(self) -> Any:
         return core_model(self.unwrap(self.model()))
-
-    @contextmanager
-    def observing(self, observer: ScoringObserver | None) -> Iterator[None]:
-        """TRL's scoring calls inside the block (the hook that opens it calls TRL, which calls its scoring function)
-        are observed by ``observer`` (``observed_call``)."""
-        self.observer = observer
-        try:
-            yield
-        finally:
-            self.observer = None
-
-    def observed_call(self, model: Any, logits_to_keep: int, trl_score: Callable[..., tuple], **kwargs) -> tuple:
-        """One of TRL's scoring calls, ``trl_score(compute_entropy=..., **kwargs)``: as TRL makes it, unless the
-        observer of the block in progress accepts ``model``; then it is served by the observer or run with entropies
-        (and the hidden states for the vocabulary sums), and the observer sees its result."""
-        observer = self.observer
-        if observer is None or not observer.accepts(model):
-            return trl_score(**kwargs)
-        kwargs["compute_entropy"] = True
-        with self.capture_hidden_states(observer.needs_vocab_stats) as hidden:
-            result = observer.served() or trl_score(**kwargs)
-        observer.observe(result[0], result[1], self.vocab_stats(hidden, logits_to_keep))
-        return result
 
     def score(self, batch: dict, *, vocab: bool = False) -> Scores:
         """TRL's no-grad scoring pass in the training precision (with ``vocab``, the vocabulary sums too)."""

@@ -2,13 +2,13 @@
 
 The trainer holds only `__init__` and TRL's hooks; each hook hands over to a part of this package:
 
-- `_generate_and_score_completions`, `_prepare_inputs` (once per rollout batch): `rollout.RolloutWeigher`, with
-  `param_estimate.ParamEstimate` for the `param` estimate;
-- `_compute_loss` (every micro-batch): `micro_batch.MicroBatchWeigher`, with `loss_mirror.LossMirror` (TRL's per-token
-  factor and loss aggregation);
-- `_get_per_token_logps_and_entropies` (every TRL scoring call): `scoring.Scorer.observed_call`, which hands the call
-  to the observer of the hook in progress, if any (TRL's old-log-prob pass over a new rollout: a
-  `rollout.RolloutCapture`; the loss forward: a `micro_batch.LossCall`);
+- `_generate_and_score_completions`, `_prepare_inputs` (once per rollout batch): `token_weights.RolloutWeigher`,
+  with `param_estimate.ParamEstimate` for the `param` estimate;
+- `_compute_loss` (every micro-batch): `token_weights.MicroBatchWeigher`, with `loss_mirror.LossMirror` (TRL's
+  per-token factor and loss aggregation);
+- `_get_per_token_logps_and_entropies` (every TRL scoring call): the scoring observer of the hook in progress, if any
+  (TRL's old-log-prob pass over a new rollout: a `token_weights.RolloutCapture`; the loss forward: a
+  `token_weights.LossCall`);
 - around the optimizer step (callbacks): `audit.EntropyAudit`;
 - `create_optimizer`: `ParamEstimate.check_optimizer`; `train` (resume from the last *whole* checkpoint),
   `_save_checkpoint` (whole or removed), `_load_optimizer_and_scheduler` (the method's state): `opefo_trl.runs`;
@@ -57,6 +57,7 @@ from opefo_trl.trainer.config import OPEFOConfig, with_opefo_settings  # noqa: E
 from opefo_trl.trainer.parts import TrainerAccess, build_parts  # noqa: E402
 from opefo_trl.trainer.probe import check_probe_dataset  # noqa: E402
 from opefo_trl.trainer.sampler import EpochSeededSampler  # noqa: E402
+from opefo_trl.trainer.token_weights import ScoringObserver  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -111,15 +112,20 @@ class OPEFOTrainer(GRPOTrainer):
         self.audit, self.param_estimate, self.rollout = parts.audit, parts.param_estimate, parts.rollout
         self.micro_batches, self.reward_check = parts.micro_batches, parts.reward_check
         self.add_callback(self.audit)
+        #: What TRL's scoring calls inside the hook in progress are handed to, if anything.
+        self._scoring_observer: ScoringObserver | None = None
 
     # TRL's hooks ----------------------------------------------------------------------------------------------------
 
     def _generate_and_score_completions(self, inputs):
         if not self.model.training or self.rollout is None:
             return super()._generate_and_score_completions(inputs)
-        capture = self.rollout.capture(self.ref_model)
-        with self.scorer.observing(capture), self.rollout.recording(self.access.core_model()):
-            output = super()._generate_and_score_completions(inputs)
+        self._scoring_observer = capture = self.rollout.capture(self.ref_model)
+        try:
+            with self.rollout.recording(self.access.core_model):
+                output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._scoring_observer = None
         return self.rollout.generated(output, capture)
 
     def _prepare_inputs(self, generation_batch):
@@ -131,17 +137,21 @@ class OPEFOTrainer(GRPOTrainer):
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
     ):
-        trl_score = partial(
-            super()._get_per_token_logps_and_entropies, model, input_ids, attention_mask, logits_to_keep, batch_size
-        )
-        return self.scorer.observed_call(model, logits_to_keep, trl_score, compute_entropy=compute_entropy, **kwargs)
+        scoring = super()._get_per_token_logps_and_entropies
+        observer = self._scoring_observer
+        if observer is None or not observer.accepts(model):
+            return scoring(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, **kwargs)
+        trl_score = partial(scoring, model, input_ids, attention_mask, logits_to_keep, batch_size, True, **kwargs)
+        return observer.scored(trl_score, logits_to_keep)  # with entropies, which the observers read
 
     def _compute_loss(self, model, inputs):
         if not self.model.training:
             return super()._compute_loss(model, inputs)
-        call = self.micro_batches.loss_call(inputs)
-        with self.scorer.observing(call):
+        self._scoring_observer = call = self.micro_batches.loss_call(inputs)
+        try:
             loss = super()._compute_loss(model, call.inputs)
+        finally:
+            self._scoring_observer = None
         loss = self.micro_batches.finish(call, loss)
         if call.entropies_before is not None:
             self.audit.keep_batch(call.inputs, call.entropies_before, call.full_precision)

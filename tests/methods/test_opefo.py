@@ -55,11 +55,13 @@ def test_a_one_sided_batch_warns_once_with_the_figures(empty):
     method = OPEFO()
     with pytest.warns(UserWarning, match=r"is empty: P=.*N=.*gives every S. token weight 0") as caught:
         weights = method.rollout_weights(batch).weights
+        method.on_optimizer_step()  # the regime watch sees the rollout at the step's end
     assert ("S+ is empty" in str(caught[0].message)) == (empty == "increase")
     assert weights.abs().max() == 0.0  # every token carries flow, every one gets weight 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         method.rollout_weights(batch)  # warned once
+        method.on_optimizer_step()
 
 
 def test_opefo_needs_the_flow():

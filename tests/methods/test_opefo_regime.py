@@ -12,18 +12,24 @@ from opefo_trl.methods import OPEFO, REGIME_GUARD, TokenBatch
 from opefo_trl.methods.opefo_regime import RegimeWatch
 
 
+def optimizer_step(method, batch):
+    """One optimizer step on a rollout batch: its weights, then the step's end, where the regime watch sees it."""
+    method.rollout_weights(batch)
+    method.on_optimizer_step()
+
+
 def test_regime_guard_warns_once_when_lambda_stays_large():
     method = OPEFO(opefo_lambda_warn=0.1)
     batch = random_batch(seed=9)
     batch.flow = -batch.flow.abs()  # every token decreases entropy: lambda* = 1
     for _ in range(RegimeWatch.WINDOW - 1):
-        method.rollout_weights(batch)
+        optimizer_step(method, batch)
         assert method.regime_warning() is None  # fewer than 20 steps: no verdict yet
-    method.rollout_weights(batch)
+    optimizer_step(method, batch)
     message = method.regime_warning()
     assert "averaged over the last 20 optimizer steps is 1" in message and "entropy_flow_estimate='param'" in message
     assert "entropy_flow_audit_steps" in message
-    method.rollout_weights(batch)
+    optimizer_step(method, batch)
     assert method.regime_warning() is None  # once
 
 
@@ -34,16 +40,16 @@ def test_regime_guard_warns_once_when_entropy_climbs_far_above_its_start():
     batch = random_batch(seed=9)
     for estimate, says in (("opefo", "(no factor pi)"), ("param", "opefo_balance='step', which zeroes")):
         method = OPEFO(flow_estimate=estimate)
-        method.rollout_weights(batch)
+        optimizer_step(method, batch)
         assert method.regime_warning() is None
-        method.rollout_weights(dataclasses.replace(batch, entropies=batch.entropies * 1.15))  # healthy runs peak here
+        optimizer_step(method, dataclasses.replace(batch, entropies=batch.entropies * 1.15))  # healthy runs peak here
         assert method.regime_warning() is None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (the one-sided warning does not apply; nothing else may warn here)
-            method.rollout_weights(dataclasses.replace(batch, entropies=batch.entropies * 1.3))
+            optimizer_step(method, dataclasses.replace(batch, entropies=batch.entropies * 1.3))
         message = method.regime_warning()
         assert message.startswith(REGIME_GUARD) and "1.30x the first rollout's" in message and says in message
-        method.rollout_weights(dataclasses.replace(batch, entropies=batch.entropies * 2.0))
+        optimizer_step(method, dataclasses.replace(batch, entropies=batch.entropies * 2.0))
         assert method.regime_warning() is None  # once
 
 
@@ -56,7 +62,7 @@ def test_regime_guard_stays_quiet_in_the_paper_regime():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for _ in range(3 * RegimeWatch.WINDOW):
-            method.rollout_weights(batch)
+            optimizer_step(method, batch)
             assert method.regime_warning() is None
 
 
@@ -65,28 +71,26 @@ def test_the_flow_share_of_negligible_tokens_is_logged_and_warned_once_when_the_
     batch.logps = torch.full_like(batch.logps, -0.1)  # every token likely ...
     batch.logps[:, :10] = -6.0  # ... but ten per sequence, sampled at probability 0.0025
     method = OPEFO(opefo_lambda=0.0, opefo_lambda_warn=2.0)  # (|lambda*| <= 1: only the new trigger can fire)
-    method.rollout_weights(batch)
-    method.on_optimizer_step()
+    optimizer_step(method, batch)
     share = method.pop_metrics()["opefo/low_prob_flow_share"]
     moved = (batch.factor * batch.flow).abs().double()
     assert share == pytest.approx(float(moved[:, :10].sum() / moved.sum()))
     assert 0 < share < 0.5
     lower = OPEFO(opefo_lambda=0.0, opefo_low_prob=0.001)  # the floor is the user's: 0.0025 is not below 0.001
-    lower.rollout_weights(batch)
-    lower.on_optimizer_step()
+    optimizer_step(lower, batch)
     assert lower.pop_metrics()["opefo/low_prob_flow_share"] == 0.0
     quiet = OPEFO(opefo_lambda=0.0, opefo_lambda_warn=2.0)
     for _ in range(RegimeWatch.WINDOW):
-        quiet.rollout_weights(batch)
+        optimizer_step(quiet, batch)
     assert quiet.regime_warning() is None
     batch.flow[:, 10:] *= 1e-3  # the flow now sits on the negligible tokens
     for step in range(RegimeWatch.WINDOW):
-        method.rollout_weights(batch)
+        optimizer_step(method, batch)
         if step < RegimeWatch.WINDOW - 2:
             assert method.regime_warning() is None
     message = method.regime_warning()
     assert message.startswith(REGIME_GUARD) and "opefo/low_prob_flow_share" in message
-    method.rollout_weights(batch)
+    optimizer_step(method, batch)
     assert method.regime_warning() is None  # once
 
 

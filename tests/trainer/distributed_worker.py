@@ -66,10 +66,10 @@ def main(
     records, micro_batches = [], []
     weigh, rollout_weights = trainer.rollout.weigh, trainer.token_method.rollout_weights
 
-    def record_micro_batches(batches, captured=None):
+    def record_micro_batches(batches):
         keep = (*MICRO_BATCH_KEYS, "advantages")
         micro_batches.append([{k: b[k].clone() for k in keep} for b in batches])
-        weigh(batches, captured)
+        weigh(batches)
         for saved, batch in zip(micro_batches[-1], batches, strict=True):
             state = batch[STATE_KEY]
             if not state.deferred:  # computed for the whole rollout (not deferred to the training forward)

@@ -6,7 +6,7 @@ import torch
 from trainer_setup import float64_reference, logged, make_config, make_trainer, spy
 from transformers import set_seed
 
-from opefo_trl.trainer.batch_state import ROLLOUT_ROW_KEY
+from opefo_trl.trainer.token_weights import carried_scores
 
 pytestmark = pytest.mark.numerics
 
@@ -21,9 +21,9 @@ def _run(tiny_model_path, tiny_dataset, length_reward, tmp_path, from_generation
         trainer.rollout.generation = None  # the no-grad scoring pass instead
     rollouts = []
 
-    def record(weigh, batches, captured=None):
-        rollouts.append(([dict(b) for b in batches], captured))
-        weigh(batches, captured)
+    def record(weigh, batches):
+        rollouts.append(([dict(b) for b in batches], carried_scores(batches[0])))
+        weigh(batches)
 
     spy(trainer.rollout, "weigh", record)
     trainer.train()
@@ -46,18 +46,18 @@ def test_lambda_star_from_generation_is_the_scoring_pass_one(tiny_model_path, ti
 def test_the_statistics_read_from_generation_are_the_scoring_passs(
     tiny_model_path, tiny_dataset, length_reward, tmp_path
 ):
-    """Token by token, on the micro-batches TRL trains on (rows found again after TRL's shuffle): the KV-cached
+    """Token by token, on the micro-batches TRL trains on (carried through TRL's shuffle and split): the KV-cached
     generation and the teacher-forced scoring pass differ by float32 rounding (~1e-6 on |log pi| <= 10)."""
     trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path, **ACCUMULATION))
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2
     captured = []
-    spy(trainer.rollout, "weigh", lambda weigh, batches, scores=None: captured.append((batches, scores)))
+    spy(trainer.rollout, "weigh", lambda weigh, batches: captured.append([dict(b) for b in batches]))
     trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
-    ((batches, scores),) = captured
-    assert scores is not None
+    (batches,) = captured
     for batch in batches:
-        rows = scores.rows(batch[ROLLOUT_ROW_KEY])
+        rows = carried_scores(batch)
+        assert rows is not None
         scored = trainer.scorer.score(batch)
         mask = batch["completion_mask"].bool()
         torch.testing.assert_close(rows.logps[mask], scored.logps[mask], rtol=0, atol=1e-5)
@@ -75,11 +75,12 @@ def test_the_full_estimates_vocabulary_sums_read_from_generation_are_the_scoring
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2
     captured = []
-    spy(trainer.rollout, "weigh", lambda weigh, batches, scores=None: captured.append((batches, scores)))
+    spy(trainer.rollout, "weigh", lambda weigh, batches: captured.append([dict(b) for b in batches]))
     trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
-    ((batches, scores),) = captured
+    (batches,) = captured
     for batch in batches:
-        rows = scores.rows(batch[ROLLOUT_ROW_KEY])
+        rows = carried_scores(batch)
+        assert rows is not None
         scored = trainer.scorer.score(batch, vocab=True)
         mask = batch["completion_mask"].bool()
         for ours, theirs in zip(rows.vocab, scored.vocab, strict=True):
@@ -101,11 +102,12 @@ def test_generation_statistics_at_a_temperature_are_the_float64_softmax_of_the_s
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2
     captured = []
-    spy(trainer.rollout, "weigh", lambda weigh, batches, scores=None: captured.append((batches, scores)))
+    spy(trainer.rollout, "weigh", lambda weigh, batches: captured.append([dict(b) for b in batches]))
     trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
-    ((batches, scores),) = captured
+    (batches,) = captured
     for batch in batches:
-        rows = scores.rows(batch[ROLLOUT_ROW_KEY])
+        rows = carried_scores(batch)
+        assert rows is not None
         mask = batch["completion_mask"].bool()
         logps, entropies, sum_sq, sum_sq_log = float64_reference(tiny_model_path, batch, temperature)
         ours = [rows.logps, rows.entropies, *(rows.vocab if estimate == "full" else ())]

@@ -202,7 +202,7 @@ def _first_rollout(trainer):
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
     captured = []
-    spy(trainer.rollout, "weigh", lambda weigh, batches, scores=None: captured.append([dict(b) for b in batches]))
+    spy(trainer.rollout, "weigh", lambda weigh, batches: captured.append([dict(b) for b in batches]))
     trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     return captured[0]
 
@@ -210,7 +210,8 @@ def _first_rollout(trainer):
 def _lambda_star(trainer, batches, jitter_seed=None):
     """lambda* of the `param` estimate of one rollout's micro-batches (the parameters optionally multiplied by
     1 + 1e-7 N(0, 1) first, and restored)."""
-    from opefo_trl.trainer.batch_state import RolloutItem, per_token
+    from opefo_trl.trainer.batch_state import RolloutItem
+    from opefo_trl.trainer.token_weights import per_token
 
     saved = [p.detach().clone() for p in trainer.model.parameters()]
     if jitter_seed is not None:

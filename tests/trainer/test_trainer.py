@@ -696,9 +696,9 @@ def _first_rollout(tiny_model_path, tiny_dataset, length_reward, args):
     trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
     captured = []
 
-    def capture(weigh, batches, scores=None):
+    def capture(weigh, batches):
         captured.append([{k: v.clone() if torch.is_tensor(v) else v for k, v in b.items()} for b in batches])
-        weigh(batches, scores)
+        weigh(batches)
 
     spy(trainer.rollout, "weigh", capture)
     trainer.create_optimizer()

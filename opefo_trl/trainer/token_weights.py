@@ -1,0 +1,431 @@
+"""A token's weight, made once per rollout batch (:class:`RolloutWeigher`) and applied in every loss forward TRL runs
+(:class:`MicroBatchWeigher`).
+
+**The rollout pass.** A method that needs the whole rollout batch before the first backward (``needs_rollout_pass``,
+OPEFO's lambda*), or the `param` diagnostics, gets for every micro-batch TRL will train on log pi_t and H_t of the
+current policy (from TRL's own no-grad old-log-prob pass when it runs one, else from generation's logits or one no-grad
+pass of the trainer's, or, for a rollout batch that is a single micro-batch, the training forward itself), the
+per-token factor f_t of the loss TRL applies, and the flow; the method turns them into detached fp32 token weights
+(its sums reduced over ranks) and each micro-batch's ``advantages`` become ``advantages * weights``, (B, T). TRL
+accepts (B, T) advantages everywhere, and since the weights are >= 0 this is exactly the reweighted loss for every loss
+type. The log pi_t and H_t read while TRL generates travel in TRL's rollout dict (``CARRIED_KEYS``), shuffled and
+split into micro-batches with the rest of it, as TRL's own ``old_per_token_logps`` does.
+
+**The loss forward.** `GRPOTrainer._compute_loss` scores the micro-batch (`_get_per_token_logps_and_entropies`)
+*before* it reads ``inputs["advantages"]``, so a method's weights that depend on the training forward (a deferred
+rollout's, PAR's, Clip-Cov's) are written into the advantages inside that call (pinned by
+``test_trl_reads_the_advantages_after_the_scoring_call``). One :class:`LossCall` is one loss forward: it works on a
+copy of TRL's dict (TRL reuses buffered micro-batches when ``num_iterations > 1``); :class:`MicroBatchWeigher` applies
+the method there, adds its extra per-token loss aggregated like TRL's policy loss, sums the step's entropy-flow
+diagnostics, and at the optimizer step's end runs the method's controllers and logs.
+
+TRL's scoring calls inside the trainer's hooks reach this module directly: the hook in progress holds one
+:class:`ScoringObserver` (a :class:`RolloutCapture` while TRL generates, a :class:`LossCall` in the loss forward),
+which runs (or, with the step balance, serves: ``opefo_trl.trainer.stand_ins``) the call and sees its result.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+import torch
+
+from opefo_trl.maths.entropy_flow import TABULAR_ESTIMATES, FlowStats, flow_per_unit_advantage, flow_stats
+from opefo_trl.maths.ranks import ReduceSum
+from opefo_trl.methods import MethodContext, TokenBatch, TokenMethod, decide_rollout_weights
+from opefo_trl.trainer.batch_state import MULTIMODAL_KEYS, STATE_KEY, MicroBatchState, RolloutItem, Scores
+from opefo_trl.trainer.loss_mirror import LossMirror
+from opefo_trl.trainer.scoring import Scorer
+from opefo_trl.trainer.stand_ins import served_scores, write_gradient
+
+if TYPE_CHECKING:  # the parts a weigher is handed (they import this module's data, not the weighers)
+    from opefo_trl.trainer.audit import EntropyAudit
+    from opefo_trl.trainer.generation_stats import GenerationStats
+    from opefo_trl.trainer.param_estimate import ParamEstimate
+
+#: The keys of TRL's rollout dict under which the rollout's captured log pi_t, H_t and `full` sums ride along TRL's
+#: shuffle and split into micro-batches (``Scores``'s fields in order; the sums only with the `full` estimate).
+CARRIED_KEYS = ("opefo_logps", "opefo_entropies", "opefo_sum_sq_probs", "opefo_sum_sq_probs_log_probs")
+
+#: TRL's scoring call of the hook in progress, with entropies: () -> (logps, entropies, aux_loss).
+TrlScoringCall = Callable[[], tuple]
+
+
+def per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Sequence-level advantages (B,) broadcast to the per-token shape of ``like``; (B, T) ones as they are."""
+    return advantages.unsqueeze(1).expand_as(like) if advantages.dim() == 1 else advantages
+
+
+def carried_scores(batch: dict, pop: bool = False) -> Scores | None:
+    """The captured statistics a (rollout or micro-batch) dict carries (``CARRIED_KEYS``), taken out with ``pop``;
+    None when it carries none."""
+    take = batch.pop if pop else batch.get
+    logps, entropies, sum_sq, sum_sq_log = (take(key, None) for key in CARRIED_KEYS)
+    if logps is None or entropies is None:
+        return None
+    return Scores(logps, entropies, sum_sq, sum_sq_log)
+
+
+class ScoringObserver(Protocol):
+    """What one of the trainer's hooks hands TRL's scoring calls to (`RolloutCapture`, `LossCall`)."""
+
+    def accepts(self, model: Any) -> bool: ...
+
+    def scored(self, trl_score: TrlScoringCall, logits_to_keep: int) -> tuple:
+        """TRL's result of the call (or what serves it), seen by the observer."""
+
+
+def scoring_call(
+    scorer: Scorer, trl_score: TrlScoringCall, logits_to_keep: int, vocab: bool, served: tuple | None = None
+) -> tuple[tuple, tuple]:
+    """TRL's scoring call (``served`` instead, when given), and with ``vocab`` the `full` estimate's vocabulary sums
+    from the hidden states of its forward ((None, None) without)."""
+    if not vocab:
+        return served or trl_score(), (None, None)
+    with scorer.capture_hidden_states(True) as hidden:
+        result = served or trl_score()
+    return result, scorer.vocab_stats(hidden, logits_to_keep)
+
+
+@dataclass
+class RolloutCapture:
+    """Observes TRL's old-log-prob pass over a rollout being generated: the first scoring call on the policy (the
+    reference pass, when there is one, comes after it; with PEFT it runs on the policy with its adapter off)."""
+
+    ref_model: Any
+    scorer: Scorer
+    needs_vocab_stats: bool
+    scores: Scores | None = None
+
+    def accepts(self, model: Any) -> bool:
+        return self.scores is None and model is not self.ref_model
+
+    def scored(self, trl_score: TrlScoringCall, logits_to_keep: int) -> tuple:
+        result, vocab = scoring_call(self.scorer, trl_score, logits_to_keep, self.needs_vocab_stats)
+        self.scores = Scores(result[0].detach(), result[1].detach(), *vocab)
+        return result  # TRL's pass runs as it would
+
+
+class RolloutWeigher:
+    """Args:
+    method: the token method.
+    estimate: ``entropy_flow_estimate``.
+    loss: TRL's loss factor; ``scorer``: the trainer's scoring forwards.
+    param: the `param` estimate (None with a tabular estimate).
+    audit: keeps the `param` estimate of an audited step.
+    reduce_sum: sums a tensor over ranks.
+    num_iterations: TRL's updates per rollout batch.
+    trl_scores_rollout: whether TRL runs its own old-log-prob pass over a rollout.
+    writes_gradient: TRL's loss gradient is linear in the token weights (``LossMirror.gradient_is_linear``) and the
+        method adds no micro-batch terms: where the method declares its weights 1 + lambda * s_t with the signs of the
+        step model it built (``RolloutWeights``), the rollout pass has the gradient TRL's training pass would compute,
+        a + lambda b, and TRL's pass is skipped (the loss is computed from the estimate's scores, so TRL's metrics
+        are still logged; ``opefo_trl.trainer.stand_ins``).
+    generation: reads log pi_t and H_t from the logits of generation (``GenerationStats``), where they would
+        otherwise take a scoring pass of their own.
+    """
+
+    def __init__(
+        self,
+        method: TokenMethod,
+        estimate: str,
+        loss: LossMirror,
+        scorer: Scorer,
+        param: ParamEstimate | None,
+        audit: EntropyAudit,
+        reduce_sum: ReduceSum,
+        num_iterations: int,
+        trl_scores_rollout: bool,
+        writes_gradient: bool = False,
+        generation: GenerationStats | None = None,
+    ):
+        self.method, self.estimate, self.loss, self.scorer = method, estimate, loss, scorer
+        self.param, self.audit, self.reduce_sum = param, audit, reduce_sum
+        self.num_iterations, self.trl_scores_rollout = num_iterations, trl_scores_rollout
+        self.writes_gradient, self.generation = writes_gradient, generation
+        self.pending = False  # a rollout batch was generated and awaits its weights (``prepare``)
+
+    def capture(self, ref_model: Any) -> RolloutCapture | None:
+        """What observes TRL's old-log-prob pass of the rollout about to be generated (None: TRL runs none)."""
+        if not self.trl_scores_rollout:
+            return None
+        return RolloutCapture(ref_model, self.scorer, needs_vocab_stats=self.estimate == "full")
+
+    def recording(self, model: Callable[[], Any]) -> AbstractContextManager:
+        """The block in which TRL generates the rollout: generation's logits are read there (``generation``) from the
+        policy ``model()``."""
+        return nullcontext() if self.generation is None else self.generation.recording(model())
+
+    def generated(self, output: dict, capture: RolloutCapture | None) -> dict:
+        """TRL's rollout batch, carrying the log pi_t and H_t captured while it was generated (``CARRIED_KEYS``)."""
+        captured = None
+        if capture is not None and capture.scores is not None:
+            old_logps = output.get("old_per_token_logps")
+            if old_logps is None or not torch.equal(capture.scores.logps, old_logps):
+                raise RuntimeError(
+                    "OPEFOTrainer captured a scoring pass that is not TRL's old-log-prob pass; this TRL version's "
+                    "_generate_and_score_completions differs from the supported one."
+                )
+            captured = capture.scores
+        elif self.generation is not None:
+            captured = self.generation.scores(output["completion_ids"])
+        if captured is not None:
+            values = (captured.logps, captured.entropies, captured.sum_sq_probs, captured.sum_sq_probs_log_probs)
+            output.update((key, value) for key, value in zip(CARRIED_KEYS, values, strict=True) if value is not None)
+        self.pending = True
+        return output
+
+    def prepare(self, batches: list[dict]) -> None:
+        """Weigh the micro-batches of the rollout TRL has just generated and split (a no-op between rollouts)."""
+        if self.pending:
+            self.pending = False
+            self.weigh(batches)
+
+    def weigh(self, batches: list[dict]) -> None:
+        """Factor, flow and weights of every micro-batch of a rollout batch, in place (each gets its
+        ``MicroBatchState``), from the statistics the micro-batches carry (``CARRIED_KEYS``) or, without, a scoring
+        pass of the trainer's."""
+        items = [
+            RolloutItem(
+                batch,
+                per_token(batch["advantages"], batch["completion_mask"]).float(),
+                carried_scores(batch, pop=True),
+            )
+            for batch in batches
+        ]
+        captured = items[0].scores is not None
+        if not captured:
+            if len(items) == 1 and self.num_iterations == 1 and self.estimate in TABULAR_ESTIMATES:
+                # The rollout batch is one micro-batch scored by the training forward with the same parameters:
+                # its weights are computed there, which saves a forward pass.
+                items[0].batch[STATE_KEY] = MicroBatchState(items[0].advantages, deferred=True)
+                return
+            multimodal = sorted(k for k in MULTIMODAL_KEYS if batches[0].get(k) is not None)
+            if multimodal:
+                raise NotImplementedError(
+                    f"OPEFOTrainer's own scoring passes are text-only, but this rollout has {multimodal}. Use one "
+                    "micro-batch per rollout (gradient_accumulation_steps=1) with a log-prob estimate, or vLLM with "
+                    "importance-sampling correction, whose scoring pass TRL runs with the images and OPEFO reuses."
+                )
+        context = MethodContext(self.reduce_sum)
+        flow = None
+        if self.param is not None:
+            estimator, flow = self.param.estimate(items)
+            context.step_model = partial(self.param.step_change, estimator, flow, items)
+            context.entropy = flow.entropy
+            for (probe, _), entropies in zip(self.param.probe, flow.probe_entropies, strict=True):
+                self.audit.keep_batch(probe.batch, entropies, full_precision=True)  # the audit measures the probe too
+        elif not captured:
+            for item in items:
+                item.scores = self.scorer.score(item.batch, vocab=self.estimate == "full").detached()
+        token_batches = [self._flow(item, None if flow is None else flow.alignment[i]) for i, item in enumerate(items)]
+        decided = decide_rollout_weights(self.method, _joined(token_batches), context)
+        gradient = None if self.param is None else self.param.finish(decided, self.writes_gradient)
+        weights = decided.weights
+        parts = [None] * len(items) if weights is None else weights.split([len(b.logps) for b in token_batches])
+        for i, (item, part) in enumerate(zip(items, parts, strict=True)):
+            if part is not None:
+                item.batch["advantages"] = item.advantages * part
+            item.batch[STATE_KEY] = MicroBatchState(
+                item.advantages,
+                item.factor,
+                item.unit_flow,
+                audit_entropies=item.audit_entropies,
+                served=None if gradient is None else item.scores,  # stand-ins for TRL's pass (stand_ins.py)
+                gradient=gradient if i == 0 else None,
+            )
+        if flow is not None:
+            self.audit.keep_param_flow(flow)
+
+    def _flow(self, item: RolloutItem, alignment: torch.Tensor | None) -> TokenBatch:
+        """The micro-batch's f_t and u_t (kept on the item) and its TokenBatch with the flow d_t = A_t u_t."""
+        scores = item.scores
+        assert scores is not None  # carried, from the `param` estimate or from the scoring pass above
+        if item.factor is None:
+            item.factor = self.loss.factor(item.batch, scores.logps, scores.entropies, item.advantages)
+        item.unit_flow = flow_per_unit_advantage(
+            scores.logps, scores.entropies, self.estimate, scores.sum_sq_probs, scores.sum_sq_probs_log_probs, alignment
+        )
+        return TokenBatch(
+            logps=scores.logps,
+            entropies=scores.entropies,
+            advantages=item.advantages,
+            factor=item.factor,
+            flow=item.advantages * item.unit_flow,
+            old_logps=item.batch.get("old_per_token_logps"),
+        )
+
+
+def _joined(parts: list[TokenBatch]) -> TokenBatch:
+    """The micro-batches' TokenBatches as one, their rows in order (the rollout batch a method weighs at once)."""
+
+    def rows(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
+        return None if tensors[0] is None else torch.cat(cast(list[torch.Tensor], tensors))
+
+    return TokenBatch(
+        logps=torch.cat([part.logps for part in parts]),
+        entropies=torch.cat([part.entropies for part in parts]),
+        advantages=torch.cat([part.advantages for part in parts]),
+        factor=torch.cat([part.factor for part in parts]),
+        flow=rows([part.flow for part in parts]),
+        old_logps=rows([part.old_logps for part in parts]),
+    )
+
+
+class LossCall:
+    """One micro-batch's loss forward: TRL's dict copied, its state, and what the method made of it; it observes the
+    forward's scoring call (``OPEFOTrainer._get_per_token_logps_and_entropies``)."""
+
+    def __init__(self, weigher: MicroBatchWeigher, inputs: dict):
+        self.weigher = weigher
+        self.inputs = dict(inputs)
+        self.state: MicroBatchState | None = inputs.get(STATE_KEY)
+        self.needs_vocab_stats = weigher.needs_vocab_stats(self.state)
+        self.extra_loss: torch.Tensor | None = None
+        self.factor_loss: torch.Tensor | None = None  # per token, already weighted by f_t (times the ranks)
+        self.weighted = False  # the deferred rollout weights were applied
+        self.entropies_before: torch.Tensor | None = None  # for the audit
+        self.logps: torch.Tensor | None = None  # TRL's scored log pi_t, attached, and the factor used for them
+        self.factor: torch.Tensor | None = None
+        self.full_precision = False  # the precision entropies_before were taken in
+
+    def accepts(self, model: Any) -> bool:
+        return True  # the loss scores only the policy (possibly DDP/DeepSpeed-wrapped)
+
+    def scored(self, trl_score: TrlScoringCall, logits_to_keep: int) -> tuple:
+        """TRL's scoring of the micro-batch, or, when the rollout pass already has the step's gradient, the estimate's
+        scores standing in for it (``stand_ins.served_scores`` says when that is exact); the method applied to it."""
+        served = None if self.state is None or self.state.served is None else served_scores(self.state.served)
+        result, vocab = scoring_call(self.weigher.scorer, trl_score, logits_to_keep, self.needs_vocab_stats, served)
+        self.weigher.apply(self, result[0], result[1], vocab)
+        return result
+
+
+class MicroBatchWeigher:
+    """Args:
+    method: the token method.
+    estimate: ``entropy_flow_estimate``; ``diagnostics``: ``entropy_flow_diagnostics``.
+    rollout_flow: the rollout pass computes factor and flow (then the loss reads them from the micro-batch's state).
+    loss: TRL's loss factor and aggregation; ``scorer``: the `full` estimate's vocabulary pass over the forward.
+    reduce_sum: sums a tensor over ranks; ``log_metrics``: where metrics go; ``main_process``: warnings go there.
+    params: the trainable parameters, whose ``.grad`` a rollout's written gradient goes into (``stand_ins``).
+    task_tokens: ``entropy_flow_task_tokens``: the diagnostics also log the shares of the flow sampled outside them.
+    check_mirror: the factor is used (flows, weights): the first micro-batch's TRL loss is checked against it once
+        (``LossMirror.check_against_trl``).
+    """
+
+    def __init__(
+        self,
+        method: TokenMethod,
+        estimate: str,
+        diagnostics: bool,
+        rollout_flow: bool,
+        loss: LossMirror,
+        scorer: Scorer,
+        reduce_sum: ReduceSum,
+        log_metrics: Callable[[dict[str, float]], None],
+        main_process: bool,
+        params: Callable[[], list[torch.Tensor]] = list,
+        task_tokens: torch.Tensor | None = None,
+        check_mirror: bool = True,
+    ):
+        self.method, self.estimate, self.diagnostics, self.rollout_flow = method, estimate, diagnostics, rollout_flow
+        self.loss, self.scorer, self.log_metrics, self.main_process = loss, scorer, log_metrics, main_process
+        self.params, self.task_tokens, self.check_mirror = params, task_tokens, check_mirror
+        self.mirror_difference: float | None = None  # what the one-time check found
+        self.context = MethodContext(reduce_sum)
+        self.step_flow: FlowStats | None = None  # the unweighted (GRPO) update's flow, summed over the step
+        self.step_off_task: FlowStats | None = None  # its part sampled outside the task's tokens
+
+    def needs_vocab_stats(self, state: MicroBatchState | None) -> bool:
+        """Whether the loss forward's `full` statistics are needed (the rollout pass did not compute them)."""
+        deferred = state is not None and state.deferred
+        return self.estimate == "full" and (deferred or (self.diagnostics and not self.rollout_flow))
+
+    def loss_call(self, inputs: dict) -> LossCall:
+        return LossCall(self, inputs)
+
+    def apply(self, call: LossCall, logps: torch.Tensor, entropies: torch.Tensor, vocab: tuple) -> None:
+        """The method's weights and extra loss for the micro-batch, from the training forward's log pi_t and H_t."""
+        inputs, state = call.inputs, call.state
+        deferred = state is not None and state.deferred
+        logps_detached, entropies = logps.detach(), entropies.detach()
+        original = per_token(inputs["advantages"], logps_detached).float() if state is None else state.advantages
+        if state is not None and not deferred:  # computed for the whole rollout batch
+            unit, factor = state.unit_flow, state.factor
+            assert factor is not None  # the rollout pass sets both
+        else:
+            factor = self.loss.factor(inputs, logps_detached, entropies, inputs["advantages"])
+            unit = None
+            if deferred or (self.diagnostics and self.estimate in TABULAR_ESTIMATES):
+                unit = flow_per_unit_advantage(logps_detached, entropies, self.estimate, *vocab)
+        advantages = per_token(inputs["advantages"], logps_detached)
+        old_logps = inputs.get("old_per_token_logps")
+        if deferred:
+            assert unit is not None  # computed above for the deferred weights
+            rollout = TokenBatch(logps_detached, entropies, original, factor, original * unit, old_logps)
+            weights = decide_rollout_weights(self.method, rollout, self.context).weights
+            if weights is not None:  # None: unweighted, as in RolloutWeigher.weigh
+                advantages = advantages * weights
+            call.weighted = True
+        batch = TokenBatch(
+            logps_detached, entropies, advantages, factor, None if unit is None else advantages * unit, old_logps
+        )
+        terms = self.method.micro_batch_terms(batch, logps, self.context)
+        if terms.weights is not None:
+            advantages = advantages * terms.weights
+        if terms.factor_loss is not None:  # f_t at the current parameters: TRL's masks read this forward's ratio
+            now = factor if state is None or deferred else self.loss.factor(inputs, logps_detached, entropies, original)
+            call.factor_loss = terms.factor_loss * now * self.loss.num_processes  # DDP averages the ranks' losses
+        inputs["advantages"] = advantages
+        call.extra_loss, call.logps, call.factor = terms.extra_loss, logps, factor
+        if unit is not None and self.diagnostics:
+            stats = flow_stats(original * unit, factor)
+            self.step_flow = stats if self.step_flow is None else self.step_flow + stats
+            if self.task_tokens is not None:
+                off_task = ~torch.isin(inputs["completion_ids"], self.task_tokens)
+                stats = flow_stats(original * unit, factor * off_task)
+                self.step_off_task = stats if self.step_off_task is None else self.step_off_task + stats
+        if state is not None and state.audit_entropies is not None:
+            call.entropies_before, call.full_precision = state.audit_entropies, True
+        else:
+            call.entropies_before = entropies
+
+    def finish(self, call: LossCall, loss: torch.Tensor) -> torch.Tensor:
+        """TRL's loss plus the method's extra per-token losses (aggregated like TRL's loss, or weighted by f_t)."""
+        if call.state is not None and call.state.deferred and not call.weighted:
+            raise RuntimeError(
+                "OPEFOTrainer: the rollout weights were deferred to the training forward but never applied; the loss "
+                "did not score completions through _get_per_token_logps_and_entropies (unsupported TRL code path)."
+            )
+        if self.check_mirror and call.logps is not None and call.factor is not None:
+            self.check_mirror = False  # once: the first micro-batch's TRL loss, before the method's own terms
+            self.mirror_difference = self.loss.check_against_trl(loss, call.logps, call.inputs, call.factor)
+        call.logps = None
+        if call.extra_loss is not None:
+            loss = loss + self.loss.aggregate(call.extra_loss, call.inputs)
+        if call.factor_loss is not None:
+            loss = loss + call.factor_loss.sum()
+        if call.state is not None and call.state.gradient is not None:  # a stand-in for TRL's backward (stand_ins.py)
+            write_gradient(self.params(), call.state.gradient)
+        return loss
+
+    def end_optimizer_step(self) -> None:
+        """After the last micro-batch of an optimizer step: controllers, then step-level metrics (all ranks)."""
+        self.method.on_optimizer_step(self.context)
+        self.log_metrics(self.method.pop_metrics())
+        if self.step_flow is not None:
+            step = FlowStats.from_tensor(self.context.reduce_sum(self.step_flow.to_tensor()))
+            self.log_metrics(step.metrics())
+            if self.step_off_task is not None:
+                off_task = FlowStats.from_tensor(self.context.reduce_sum(self.step_off_task.to_tensor()))
+                self.log_metrics(off_task.shares_of(step, "entropy_flow/off_task_"))
+            self.step_flow, self.step_off_task = None, None
+        message = self.method.regime_warning()
+        if message and self.main_process:
+            warnings.warn(message, stacklevel=3)
