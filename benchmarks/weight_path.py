@@ -7,8 +7,8 @@ weights. Every call into a file of ``opefo_trl`` is counted (dataclass methods P
 belong to no file and are not). Two configurations:
 
 - ``recipes``: the recipes' objective (``method="opefo"``, ``entropy_flow_estimate="opefo"``, ``loss_type="dapo"``,
-  diagnostics and the audit on) with TRL's vLLM importance-sampling correction, vLLM emulated (``_emulated_vllm``:
-  TRL runs its old-log-prob pass and its importance ratio);
+  diagnostics and the audit on) with TRL's vLLM importance-sampling correction, vLLM emulated
+  (``opefo_trl.testing.vllm_generation_emulated``: TRL runs its old-log-prob pass and its importance ratio);
 - ``param``: the same with ``entropy_flow_estimate="param"`` and ``opefo_balance="step"``.
 
 Reported per configuration: ``modules``, every package module a call entered; ``weight_path``, the same without the
@@ -29,7 +29,6 @@ import os
 import sys
 import tempfile
 from typing import Any
-from unittest import mock
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -76,33 +75,10 @@ def _trainer(configuration: str, folder: str) -> Any:
     return OPEFOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(prompts))
 
 
-def _emulated_vllm(trainer: Any):
-    """TRL's vLLM generation with importance-sampling correction, without vLLM: ``_generate`` samples with
-    transformers and returns made-up sampling log-probs in place of vLLM's; the rest of TRL's rollout runs as with
-    vLLM (its old-log-prob pass, the importance ratio, the corrected loss)."""
-    from trl import GRPOTrainer
-
-    generate = GRPOTrainer._generate
-
-    def with_sampling_logps(self, prompts):
-        self.use_vllm = False
-        try:
-            output = list(generate(self, prompts))
-        finally:
-            self.use_vllm = True
-        output[4] = [[-5.75 + 0.1 * (j % 3 - 1) for j in range(len(ids))] for ids in output[1]]
-        return tuple(output)
-
-    # As the trainer is built with vLLM and importance-sampling correction: TRL scores the rollout and weights the loss.
-    trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
-    trainer.loss_mirror.importance_sampling_correction = True
-    trainer.rollout.trl_scores_rollout, trainer.rollout.generation = True, None
-    return mock.patch.object(GRPOTrainer, "_generate", with_sampling_logps)
-
-
 def trace(configuration: str) -> dict:
     """The trace of one optimizer step's first micro-batch in ``configuration`` (module docstring)."""
     import opefo_trl
+    from opefo_trl.testing import vllm_generation_emulated
 
     package = os.path.dirname(opefo_trl.__file__) + os.sep
     with tempfile.TemporaryDirectory() as folder:
@@ -143,7 +119,7 @@ def trace(configuration: str) -> dict:
             if caller and caller.startswith("maths/") and not here.startswith("maths/"):
                 callbacks[f"{caller}:{frame.f_back.f_code.co_name} -> {here}:{function}"] += 1
 
-        with _emulated_vllm(trainer):
+        with vllm_generation_emulated(trainer):
             sys.setprofile(profile)
             try:
                 trainer.train()

@@ -181,3 +181,31 @@ def keep_rms_norm_in_model_dtype(model):
         if isinstance(module, Qwen2RMSNorm):
             module.forward = types.MethodType(rms_norm_in_input_dtype, module)
     return model
+
+
+def vllm_generation_emulated(trainer, sampling_logp: float = -5.75):
+    """A context in which ``trainer`` (an ``OPEFOTrainer`` built without vLLM) runs TRL's vLLM rollout with
+    importance-sampling correction, but samples with transformers: TRL's ``_generate`` returns made-up sampling
+    log-probs (``sampling_logp`` +/- 0.1) in place of vLLM's, and the rest of TRL's rollout runs as with vLLM (its
+    old-log-prob pass, the importance ratio, the corrected loss); the trainer's parts are set as
+    ``build_parts`` sets them for vLLM. For tests and ``benchmarks/weight_path.py``; vLLM itself: ``make test-vllm``."""
+    from unittest import mock
+
+    from trl import GRPOTrainer
+
+    generate = GRPOTrainer._generate
+
+    def with_sampling_logps(self, prompts):
+        self.use_vllm = False
+        try:
+            output = list(generate(self, prompts))
+        finally:
+            self.use_vllm = True
+        output[4] = [[sampling_logp + 0.1 * (j % 3 - 1) for j in range(len(ids))] for ids in output[1]]
+        return tuple(output)
+
+    trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+    trainer.loss_mirror.importance_sampling_correction = True
+    if trainer.rollout is not None:
+        trainer.rollout.trl_scores_rollout, trainer.rollout.generation = True, None
+    return mock.patch.object(GRPOTrainer, "_generate", with_sampling_logps)
