@@ -8,7 +8,9 @@ from opefo_trl.trainer.batch_state import STATE_KEY
 from opefo_trl.trainer.token_weights import CARRIED_KEYS, carried_scores
 
 
-def test_trls_old_log_prob_pass_rides_along_its_shuffle_and_split(tiny_model_path, tiny_dataset, length_reward, tmp_path):
+def test_trls_old_log_prob_pass_rides_along_its_shuffle_and_split(
+    tiny_model_path, tiny_dataset, length_reward, tmp_path
+):
     """With vLLM's importance-sampling correction TRL scores the rollout itself: each micro-batch TRL trains on (after
     its shuffle and split) carries that pass's log pi_t, row for row its own `old_per_token_logps`, and H_t, a scoring
     pass's to float32 rounding; the rollout pass takes them out of TRL's dicts and weighs every micro-batch once."""
