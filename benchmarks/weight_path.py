@@ -90,7 +90,8 @@ def trace(configuration: str) -> dict:
         state: dict[str, Any] = {"on": False, "done": False, "off_path": []}
 
         def name(path: str) -> str | None:
-            return path[len(package) :] if path.startswith(package) else None
+            inside = path[len(package) :] if path.startswith(package) else None
+            return None if inside == "testing.py" else inside  # the emulated vLLM is the harness's, not the path's
 
         def profile(frame, event, arg):
             if state["done"] or event not in ("call", "return"):
