@@ -9,17 +9,25 @@ optimizer's diagonal preconditioner), to first order
     delta Hbar = eta sum_t c_t w_t u_t,    u_t = <D grad_theta Hbar, grad_theta log pi_t>.
 
 ``ParamFlowEstimator`` computes grad Hbar and the loss gradient a = -sum_t c_t grad log pi_t by backward passes, and
-u_t for every token at once as the Jacobian-vector product of theta -> (log pi_t)_t in the direction v = D grad Hbar,
-by forward-mode AD (``jvp``; ``opefo_trl.maths.param_jvp.completion_jvp`` for a transformers model). Two checks
-compare the forward-mode results with the backward-mode ones on every batch: the derivative of Hbar along v
-(``check_error``, against <grad Hbar, v>) and the batch's net flow sum_t c_t u_t (against -<v, a>;
+takes u_t for every token at once as the Jacobian-vector product of theta -> (log pi_t)_t in the direction
+v = D grad Hbar, by forward-mode AD (``opefo_trl.maths.param_jvp.completion_jvp`` for a transformers model). It is
+given tensors only: whoever holds the model (``opefo_trl.trainer.param_estimate.ParamEstimate``) runs the scoring
+forwards and the forward-mode passes over the micro-batches and hands over what they return, in two stages:
+
+1. per micro-batch ``add_batch(logps, entropies, mask, coefficient)`` (with the graph; the two backwards), per probe
+   batch ``add_probe(entropies, mask)``; then ``direction()`` gives v (None when grad Hbar is orthogonal to it);
+2. along v, per micro-batch ``add_tangents(u, dh)`` and per probe batch ``add_probe_tangent(dh)``, in the same order;
+   then ``finish()`` gives the ``ParamFlow``.
+
+Two checks compare the forward-mode results with the backward-mode ones on every batch: the derivative of Hbar along
+v (``check_error``, against <grad Hbar, v>) and the batch's net flow sum_t c_t u_t (against -<v, a>;
 ``lambda_error``, the error it implies for lambda* = -net / gross). Both modes are exact up to rounding, so the
 checks estimate the rounding error (they are not bounds); a large one means the two passes disagree (a forward that
 is not the one differentiated, dropout, a wrong logit transform).
 
-With ``probe`` batches (completions the update does not train on, e.g. earlier rollouts re-scored under the current
-parameters), Hbar is the mean token entropy of the update's own tokens and the probe's together: the policy gradient
-and its c_t are the batch's, only the direction v = D grad Hbar (and with it u_t) changes.
+With probe batches (``add_probe``: completions the update does not train on, e.g. earlier rollouts re-scored under
+the current parameters), Hbar is the mean token entropy of the update's own tokens and the probe's together: the
+policy gradient and its c_t are the batch's, only the direction v = D grad Hbar (and with it u_t) changes.
 
 The optimizer's real next step, whose momentum this D does not describe, is modelled exactly in
 ``opefo_trl.maths.step_model`` (the optimizer's update itself in ``opefo_trl.maths.optimizer``).
@@ -32,34 +40,27 @@ Example (a linear softmax policy, where everything can be checked by hand):
     >>> def policy(weight):
     ...     logp = torch.log_softmax(x @ weight.T, -1)
     ...     return logp[:, :1], -(logp.exp() * logp).sum(-1, keepdim=True)
-    >>> def jvp(batch, direction):
-    ...     return torch.func.jvp(policy, (W.detach(),), (direction[0],))[1]
-    >>> estimator = ParamFlowEstimator([W], lambda batch: policy(W), jvp)
     >>> mask, coefficient = torch.ones(4, 1, dtype=torch.float64), torch.tensor([[1.0], [-1.0], [0.5], [0.0]])
-    >>> flow = estimator.estimate([None], [mask], lambda batch, logps, entropies: coefficient)
+    >>> estimator = ParamFlowEstimator([W], token_count([mask]))
+    >>> estimator.add_batch(*policy(W), mask, coefficient)
+    >>> direction = estimator.direction()
+    >>> estimator.add_tangents(*torch.func.jvp(policy, (W.detach(),), (direction[0],))[1])
+    >>> flow = estimator.finish()
     >>> flow.check_error < 1e-12 and flow.lambda_error < 1e-12
     True
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import cast
 
 import torch
 
 from opefo_trl.maths.optimizer import PreconditionedDirection, clip_coefficient, compute_dtype, global_norm, inner
 from opefo_trl.maths.ranks import ReduceSum, single_process_sum
 from opefo_trl.maths.step_model import StepModel
-
-#: score(batch) -> (log pi_t, H_t), both (B, T), differentiable in the parameters when grad is enabled.
-ScoreFn = Callable[[Any], tuple[torch.Tensor, torch.Tensor]]
-#: jvp(batch, direction) -> (u_t, dH_t), both (B, T): the derivatives of log pi_t and H_t along ``direction`` (one
-#: tensor per trainable parameter), at the current parameters.
-JvpFn = Callable[[Any, Sequence[torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
-#: coefficients(batch, logps, entropies) -> c_t (B, T): the unweighted loss is L = -sum_t c_t log pi_t.
-CoefficientFn = Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor]
 
 #: The derivative of Hbar along the direction may differ from the backward-mode one by this much (relative).
 CHECK_TOLERANCE = 1e-2
@@ -78,9 +79,20 @@ def relative_error(estimate: float, exact: float) -> float:
     return abs(estimate - exact) / abs(exact)
 
 
+def _sum_over_ranks(value: torch.Tensor, reduce_sum: ReduceSum = single_process_sum) -> float:
+    """A scalar summed over ranks, in float64."""
+    return float(reduce_sum(value.double().reshape(1))[0])
+
+
+def token_count(masks: Sequence[torch.Tensor], reduce_sum: ReduceSum = single_process_sum) -> float:
+    """The number of tokens Hbar averages: those the masks select (the micro-batches' and the probe's), summed over
+    ranks; at least 1, so that a batch without tokens divides by 1."""
+    return max(_sum_over_ranks(cast(torch.Tensor, sum(m.sum() for m in masks)), reduce_sum), 1.0)
+
+
 @dataclass
 class ParamFlow:
-    """What ``ParamFlowEstimator.estimate`` found for one rollout batch (per micro-batch lists, (B, T) each).
+    """What ``ParamFlowEstimator.finish`` found for one rollout batch (per micro-batch lists, (B, T) each).
 
     ``alignment`` is u_t; ``logps``/``entropies`` are the scoring pass's (detached, before any update);
     ``coefficients`` the c_t of the unweighted loss. ``entropy_grad`` (grad Hbar) and ``loss_grad`` (a) are summed
@@ -107,10 +119,13 @@ class ParamFlow:
 class ParamFlowEstimator:
     """The `param` estimate of one rollout batch: u_t = <D grad Hbar, grad log pi_t> for every token, checked.
 
+    Fed micro-batch by micro-batch in two stages (module docstring). ``direction``, ``finish`` and
+    ``signed_gradient`` sum over ranks (as ``token_count`` does): every rank calls them, in the same order.
+
     Args:
         params: the trainable parameters theta.
-        score: ``score(batch) -> (logps, entropies)`` of one micro-batch, (B, T), differentiable when grad is enabled.
-        jvp: ``jvp(batch, direction) -> (u_t, dH_t)`` of one micro-batch (``JvpFn``).
+        tokens: the number of tokens Hbar averages, over the micro-batches and the probe, summed over ranks
+            (``token_count``).
         reduce_sum: sums a tensor over data-parallel ranks (every rank then holds the same gradients and direction).
         optimizer: the torch Adam/AdamW whose next step D describes, or None for plain SGD (D = identity).
         max_grad_norm: the Trainer's gradient clipping, applied to the gradient D is built from.
@@ -118,21 +133,36 @@ class ParamFlowEstimator:
     Cost per rollout batch: per micro-batch a forward with two backwards (grad Hbar and a) and one forward-mode pass
     (u_t, dH_t); per probe batch a forward with one backward and a forward-mode pass; for the step model a forward
     with one backward (b). Extra memory: grad Hbar and a (two copies of the trainable parameters in their compute
-    dtype), the direction v during the forward-mode pass (a third), then b.
+    dtype), the direction v during the forward-mode passes (a third), then b.
     """
 
     def __init__(
         self,
         params,
-        score: ScoreFn,
-        jvp: JvpFn,
+        tokens: float,
         reduce_sum: ReduceSum = single_process_sum,
         optimizer=None,
         max_grad_norm=None,
     ):
         self.params = [p for p in params if p.requires_grad]
-        self.score, self.jvp, self.reduce_sum = score, jvp, reduce_sum
+        self.tokens, self.reduce_sum = tokens, reduce_sum
         self.optimizer, self.max_grad_norm = optimizer, max_grad_norm
+        self.entropy_grad, self.loss_grad = self._zeros(), self._zeros()
+        # Stage 1: the micro-batches' detached scores and c_t, the probe's H_t, and the masks both stages weigh with.
+        self.logps: list[torch.Tensor] = []
+        self.entropies: list[torch.Tensor] = []
+        self.coefficients: list[torch.Tensor] = []
+        self.masks: list[torch.Tensor] = []
+        self.probe_entropies: list[torch.Tensor] = []
+        self.probe_masks: list[torch.Tensor] = []
+        self._entropy_sum: torch.Tensor | None = None  # sum of H_t over the tokens, float64 on the device: no sync
+        # Stage 2: u_t per micro-batch and the sums of the checks (float64 on the host).
+        self._flow: ParamFlow | None = None  # set by direction()
+        self._exact_derivative = self._exact_net = 0.0
+        self._alignment: list[torch.Tensor] = []
+        self._entropy_change, self._net, self._gross = 0.0, 0.0, 0.0
+        self._probe_tangents = 0
+        self._signed_grad: list[torch.Tensor] | None = None
 
     def _zeros(self) -> list[torch.Tensor]:
         return [torch.zeros_like(p, dtype=compute_dtype(p)) for p in self.params]
@@ -148,90 +178,109 @@ class ParamFlowEstimator:
             if part is not None:
                 running.add_(part)
 
-    def _sum(self, value: torch.Tensor) -> float:
-        return float(self.reduce_sum(value.double().reshape(1))[0])
+    def _add_entropy(self, entropies: torch.Tensor, mask: torch.Tensor) -> None:
+        if self._entropy_sum is None:
+            self._entropy_sum = torch.zeros((), dtype=torch.float64, device=mask.device)
+        self._entropy_sum += (entropies.detach().double() * mask).sum()
 
-    def estimate(
-        self,
-        batches: Sequence[Any],
-        masks: Sequence[torch.Tensor],
-        coefficients: CoefficientFn,
-        probe: Sequence[tuple[Any, torch.Tensor]] = (),
-    ) -> ParamFlow:
-        """u_t of every micro-batch; ``masks`` select the tokens Hbar averages (the loss tokens), ``coefficients``
-        gives the unweighted loss's c_t from the scoring pass's detached log pi_t and H_t. ``probe``: (batch, mask)
-        pairs whose tokens Hbar averages too, outside the loss (module docstring)."""
-        probe_masks = [mask for _, mask in probe]
-        tokens = max(self._sum(cast(torch.Tensor, sum(m.sum() for m in [*masks, *probe_masks]))), 1.0)
-        entropy_grad, loss_grad = self._zeros(), self._zeros()
-        logps_list, entropies_list, coefficient_list, probe_entropies = [], [], [], []
-        entropy_sum = torch.zeros((), dtype=torch.float64, device=masks[0].device)  # on the device: no sync
-        with torch.enable_grad():
-            for batch, mask in zip(batches, masks, strict=True):
-                logps, entropies = self.score(batch)
-                coefficient = coefficients(batch, logps.detach(), entropies.detach()).to(logps.dtype)
-                self._accumulate(entropy_grad, (entropies * mask).sum() / tokens, retain=True)
-                self._accumulate(loss_grad, -(coefficient * logps).sum(), retain=False)
-                logps_list.append(logps.detach())
-                entropies_list.append(entropies.detach())
-                coefficient_list.append(coefficient)
-                entropy_sum += (entropies.detach().double() * mask).sum()
-            for batch, mask in probe:
-                _, entropies = self.score(batch)
-                self._accumulate(entropy_grad, (entropies * mask).sum() / tokens, retain=False)
-                probe_entropies.append(entropies.detach())
-                entropy_sum += (entropies.detach().double() * mask).sum()
-        self._reduce(entropy_grad)
-        self._reduce(loss_grad)
-        clip = clip_coefficient(global_norm(loss_grad), self.max_grad_norm) if self.optimizer is not None else 1.0
-        direction = list(PreconditionedDirection(self.optimizer, self.params, entropy_grad, loss_grad, clip))
-        exact_derivative = inner(entropy_grad, direction)  # d Hbar / d e along v
-        exact_net = -inner(direction, loss_grad)  # sum_t c_t u_t = <v, -a>
-        flow = ParamFlow(
-            alignment=[torch.zeros_like(lp) for lp in logps_list],
-            logps=logps_list,
-            entropies=entropies_list,
-            coefficients=coefficient_list,
-            entropy_grad=entropy_grad,
-            loss_grad=loss_grad,
+    def add_batch(
+        self, logps: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor, coefficient: torch.Tensor
+    ) -> None:
+        """One micro-batch's log pi_t and H_t from the scoring forward, (B, T) with their graph in the parameters;
+        ``mask`` selects the tokens Hbar averages (the loss tokens), ``coefficient`` is c_t of the unweighted loss
+        L = -sum_t c_t log pi_t, from the detached scores. Adds its grad Hbar and a (the graph is freed)."""
+        coefficient = coefficient.to(logps.dtype)
+        self._accumulate(self.entropy_grad, (entropies * mask).sum() / self.tokens, retain=True)
+        self._accumulate(self.loss_grad, -(coefficient * logps).sum(), retain=False)
+        self.logps.append(logps.detach())
+        self.entropies.append(entropies.detach())
+        self.coefficients.append(coefficient)
+        self.masks.append(mask)
+        self._add_entropy(entropies, mask)
+
+    def add_probe(self, entropies: torch.Tensor, mask: torch.Tensor) -> None:
+        """One probe batch's H_t (with its graph) and mask: tokens Hbar averages too, outside the loss (module
+        docstring). After every ``add_batch``."""
+        self._accumulate(self.entropy_grad, (entropies * mask).sum() / self.tokens, retain=False)
+        self.probe_entropies.append(entropies.detach())
+        self.probe_masks.append(mask)
+        self._add_entropy(entropies, mask)
+
+    def direction(self) -> list[torch.Tensor] | None:
+        """v = D grad Hbar from grad Hbar and a summed over ranks, for the forward-mode passes; None when
+        <grad Hbar, v> = 0 (no token moves Hbar to first order: no pass is needed, ``finish`` gives u_t = 0). The
+        caller holds the only reference to v: dropping it before ``finish`` frees its memory."""
+        self._reduce(self.entropy_grad)
+        self._reduce(self.loss_grad)
+        clip = clip_coefficient(global_norm(self.loss_grad), self.max_grad_norm) if self.optimizer is not None else 1.0
+        direction = list(PreconditionedDirection(self.optimizer, self.params, self.entropy_grad, self.loss_grad, clip))
+        self._exact_derivative = inner(self.entropy_grad, direction)  # d Hbar / d e along v
+        self._exact_net = -inner(direction, self.loss_grad)  # sum_t c_t u_t = <v, -a>
+        assert self._entropy_sum is not None  # add_batch was called
+        self._flow = ParamFlow(
+            alignment=[torch.zeros_like(lp) for lp in self.logps],
+            logps=self.logps,
+            entropies=self.entropies,
+            coefficients=self.coefficients,
+            entropy_grad=self.entropy_grad,
+            loss_grad=self.loss_grad,
             check_error=0.0,
             lambda_error=0.0,
             lambda_star=0.0,
             clip=clip,
-            entropy=self._sum(entropy_sum) / tokens,
-            probe_entropies=probe_entropies,
+            entropy=_sum_over_ranks(self._entropy_sum, self.reduce_sum) / self.tokens,
+            probe_entropies=self.probe_entropies,
         )
-        if exact_derivative == 0.0:  # no entropy gradient: no token moves Hbar to first order
+        return None if self._exact_derivative == 0.0 else direction
+
+    def add_tangents(self, u: torch.Tensor, dh: torch.Tensor) -> None:
+        """The derivatives of log pi_t and H_t along the direction, (B, T), of the next micro-batch (``add_batch``'s
+        order)."""
+        mask, c = self.masks[len(self._alignment)], self.coefficients[len(self._alignment)]
+        contribution = c.double() * u.double()
+        self._entropy_change += float((dh.double() * mask).sum())
+        self._net, self._gross = self._net + float(contribution.sum()), self._gross + float(contribution.abs().sum())
+        self._alignment.append(u.float())
+
+    def add_probe_tangent(self, dh: torch.Tensor) -> None:
+        """The derivative of H_t along the direction of the next probe batch (``add_probe``'s order): only for the
+        check, the probe's share of the derivative of Hbar."""
+        self._entropy_change += float((dh.double() * self.probe_masks[self._probe_tangents]).sum())
+        self._probe_tangents += 1
+
+    def finish(self) -> ParamFlow:
+        """The flow: u_t of every micro-batch and the checks, the sums over ranks taken (u_t = 0 without a
+        direction)."""
+        flow = self._flow
+        assert flow is not None, "direction() first"
+        if self._exact_derivative == 0.0:
             return flow
-        alignment, entropy_change, net, gross = [], 0.0, 0.0, 0.0
-        for batch, mask, c in zip(batches, masks, coefficient_list, strict=True):
-            u, dh = self.jvp(batch, direction)
-            contribution = c.double() * u.double()
-            entropy_change += float((dh.double() * mask).sum())
-            net, gross = net + float(contribution.sum()), gross + float(contribution.abs().sum())
-            alignment.append(u.float())
-        for batch, mask in probe:  # only for the check: the probe's share of the derivative of Hbar
-            _, dh = self.jvp(batch, direction)
-            entropy_change += float((dh.double() * mask).sum())
-        del direction
-        sums = self.reduce_sum(torch.tensor([entropy_change, net, gross], dtype=torch.float64, device=u.device))
+        assert len(self._alignment) == len(self.logps) and self._probe_tangents == len(self.probe_masks)
+        sums = self.reduce_sum(
+            torch.tensor(
+                [self._entropy_change, self._net, self._gross], dtype=torch.float64, device=self._alignment[-1].device
+            )
+        )
         entropy_change, net, gross = (float(x) for x in sums)
-        flow.alignment = alignment
-        flow.check_error = relative_error(entropy_change / tokens, exact_derivative)
+        flow.alignment = self._alignment
+        flow.check_error = relative_error(entropy_change / self.tokens, self._exact_derivative)
         flow.lambda_star = -net / gross if gross > 0 else 0.0
-        flow.lambda_error = abs(net - exact_net) / gross if gross > 0 else 0.0
+        flow.lambda_error = abs(net - self._exact_net) / gross if gross > 0 else 0.0
         return flow
 
-    def signed_gradient(self, batches: Sequence[Any], signed_coefficients: Sequence[torch.Tensor]):
-        """b = grad of -sum_t s_t c_t log pi_t (summed over ranks): the gradient's derivative in lambda when the
-        tokens are weighted 1 + lambda s_t. One forward and backward per micro-batch (keeping the estimate's graph
-        instead would keep every recomputed chunk of the LM head's logits too)."""
-        total = self._zeros()
-        with torch.enable_grad():
-            for batch, coefficient in zip(batches, signed_coefficients, strict=True):
-                logps, _ = self.score(batch)
-                self._accumulate(total, -(coefficient.to(logps.dtype) * logps).sum(), retain=False)
-        return self._reduce(total)
+    def add_signed(self, logps: torch.Tensor, signed_coefficient: torch.Tensor) -> None:
+        """One micro-batch's log pi_t from a scoring forward (with its graph) and s_t c_t: adds its share of b (the
+        graph is freed). A forward and backward per micro-batch: keeping stage 1's graph instead would keep every
+        recomputed chunk of the LM head's logits too."""
+        if self._signed_grad is None:
+            self._signed_grad = self._zeros()
+        self._accumulate(self._signed_grad, -(signed_coefficient.to(logps.dtype) * logps).sum(), retain=False)
+
+    def signed_gradient(self) -> list[torch.Tensor]:
+        """b = grad of -sum_t s_t c_t log pi_t (summed over ranks) from the ``add_signed`` micro-batches: the
+        gradient's derivative in lambda when the tokens are weighted 1 + lambda s_t."""
+        total, self._signed_grad = self._signed_grad, None
+        return self._reduce(self._zeros() if total is None else total)
 
     def step_model(self, flow: ParamFlow, signed_grad) -> StepModel:
         return StepModel(

@@ -7,7 +7,8 @@ token t and a direction v given per trainable parameter,
 
 the directional derivatives of the token's log-probability and of its position's entropy. ``completion_jvp`` takes
 both by forward-mode AD through the backbone and a closed form through the LM head, so they are exact to rounding
-(``param_flow.ParamFlowEstimator`` takes u_t this way, and checks it against its backward-mode gradients).
+(the `param` estimate takes u_t this way; ``param_flow.ParamFlowEstimator`` checks it against its backward-mode
+gradients).
 
 The policy at a position with final hidden state h (after the final norm) is the temperature-scaled softmax of
 

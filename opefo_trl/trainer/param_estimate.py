@@ -1,9 +1,11 @@
 """The `param` estimate over a rollout batch's micro-batches, and the step model it offers a method
 (`opefo_trl.maths.param_flow`, `opefo_trl.maths.step_model`).
 
-The estimator runs in full precision on the unwrapped model (no DDP hooks: it all-reduces its gradients itself)
-with the trainer's scoring function; the loss coefficients c_t = f_t A_t are those of the loss TRL will apply,
-unweighted. The step model (``step_change``) is built only when a method asks for it (OPEFO's step balance).
+The estimator (pure maths) is given tensors; ``ParamEstimate`` runs the passes over the micro-batches and hands it
+what they return: the trainer's scoring forwards in full precision on the unwrapped model (no DDP hooks: the
+estimator all-reduces its gradients itself), the loss coefficients c_t = f_t A_t of the loss TRL will apply
+(unweighted), and the forward-mode passes along the direction the estimator gives. The step model (``step_change``)
+is built only when a method asks for it (OPEFO's step balance).
 
 With ``probe_rollouts`` K > 1 (``entropy_flow_probe_rollouts``), the entropy the flow is measured on is that of this
 rollout batch and the K - 1 before it, re-scored under the current parameters: the estimate keeps those earlier
@@ -20,7 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from opefo_trl.maths.optimizer import check_optimizer
-from opefo_trl.maths.param_flow import ParamFlow, ParamFlowEstimator, imprecision
+from opefo_trl.maths.param_flow import ParamFlow, ParamFlowEstimator, imprecision, token_count
 from opefo_trl.maths.ranks import ReduceSum
 from opefo_trl.maths.step_model import StepModel
 from opefo_trl.methods import RolloutWeights, StepChange
@@ -29,7 +31,9 @@ from opefo_trl.trainer.loss_mirror import LossMirror
 
 
 class ParamEstimate:
-    """Runs the `param` estimator for each rollout batch and builds its step model on request.
+    """Runs the `param` estimate of each rollout batch and builds its step model on request: per micro-batch (and
+    probe batch) the scoring forward, then along the estimator's direction the forward-mode pass, and for the step
+    model one more scoring forward, each handed to the ``ParamFlowEstimator`` as tensors.
 
     Args:
         params: the trainable parameters, read when an estimate starts.
@@ -77,46 +81,62 @@ class ParamEstimate:
         check_optimizer(getattr(optimizer, "optimizer", optimizer), preconditioner)
 
     @staticmethod
-    def _full_precision(estimator: ParamFlowEstimator) -> torch.autocast:
+    def _full_precision(params: Sequence[torch.Tensor]) -> torch.autocast:
         """Autocast off for the estimate's forwards and backwards: a backward run inside an autocast region (a training
         step under bf16 mixed precision) recomputes checkpointed activations in half precision."""
-        return torch.autocast(estimator.params[0].device.type, enabled=False)
+        return torch.autocast(params[0].device.type, enabled=False)
 
     def _score(self, item: RolloutItem) -> tuple[torch.Tensor, torch.Tensor]:
         scores = self.score(item.batch)
         item.full_precision = scores.detached()
         return scores.logps, scores.measured_entropies
 
-    def _estimator(self) -> ParamFlowEstimator:
-        params = self.params()
-        return ParamFlowEstimator(
-            params,
-            self._score,
-            lambda item, direction: self.jvp(item.batch, params, direction),
-            self.reduce_sum,
-            optimizer=self.optimizer(),
-            max_grad_norm=self.max_grad_norm,
-        )
+    def _coefficients(self, item: RolloutItem, logps: torch.Tensor, entropies: torch.Tensor) -> torch.Tensor:
+        """c_t = f_t A_t of TRL's unweighted loss, from the scoring pass's detached log pi_t and H_t; fills in the
+        item's scores (where TRL's pass gave none), factor and audit entropies."""
+        assert item.full_precision is not None  # scored just now by _score
+        if item.scores is None:  # TRL's loss and its entropy mask read H_t, whatever entropy the flow measures
+            item.scores = Scores(logps.float(), item.full_precision.entropies.float())
+        item.audit_entropies = entropies
+        item.factor = self.loss.factor(item.batch, item.scores.logps, item.scores.entropies, item.advantages)
+        return item.factor * item.advantages
+
+    def _flow(
+        self, estimator: ParamFlowEstimator, items: Sequence[RolloutItem], masks: Sequence[torch.Tensor]
+    ) -> ParamFlow:
+        """Feeds the estimator its two stages (``opefo_trl.maths.param_flow``): the scoring forwards of the items and
+        of the probe, then their forward-mode passes along the direction."""
+        with torch.enable_grad():
+            for item, mask in zip(items, masks, strict=True):
+                logps, entropies = self._score(item)
+                estimator.add_batch(
+                    logps, entropies, mask, self._coefficients(item, logps.detach(), entropies.detach())
+                )
+            for item, mask in self.probe:
+                estimator.add_probe(self._score(item)[1], mask)
+        direction = estimator.direction()
+        if direction is not None:
+            for item in items:
+                estimator.add_tangents(*self.jvp(item.batch, estimator.params, direction))
+            for item, _ in self.probe:  # only for the check: the probe's share of the derivative of Hbar
+                estimator.add_probe_tangent(self.jvp(item.batch, estimator.params, direction)[1])
+            del direction  # freed before the step model's gradient is taken
+        return estimator.finish()
 
     def estimate(self, items: Sequence[RolloutItem]) -> tuple[ParamFlowEstimator, ParamFlow]:
         """u_t of every micro-batch; fills in each item's scores (where TRL's pass gave none), factor and audit
         entropies."""
-        estimator = self._estimator()
-
-        def coefficients(item: RolloutItem, logps: torch.Tensor, entropies: torch.Tensor) -> torch.Tensor:
-            assert item.full_precision is not None  # scored just now by _score
-            if item.scores is None:  # TRL's loss and its entropy mask read H_t, whatever entropy the flow measures
-                item.scores = Scores(logps.float(), item.full_precision.entropies.float())
-            item.audit_entropies = entropies
-            item.factor = self.loss.factor(item.batch, item.scores.logps, item.scores.entropies, item.advantages)
-            return item.factor * item.advantages
-
+        params = self.params()
         masks = [self.loss.mask(item.batch).float() for item in items]
         self._step = None
         fixed = [] if self.fixed_probe is None else self.fixed_probe()
         self.probe = [*fixed, *(pair for rollout in self._earlier for pair in rollout)]
-        with self._full_precision(estimator):
-            flow = estimator.estimate(items, masks, coefficients, self.probe)
+        with self._full_precision(params):
+            tokens = token_count([*masks, *(mask for _, mask in self.probe)], self.reduce_sum)
+            estimator = ParamFlowEstimator(
+                params, tokens, self.reduce_sum, optimizer=self.optimizer(), max_grad_norm=self.max_grad_norm
+            )
+            flow = self._flow(estimator, items, masks)
         if self._earlier.maxlen:  # a copy of the dict: the trainer replaces its advantages and adds its state
             self._earlier.append(
                 [
@@ -139,8 +159,11 @@ class ParamEstimate:
         over the whole local rollout batch), identical on every rank."""
         sizes = [len(item.advantages) for item in items]
         signed = [s * c for s, c in zip(signs.split(sizes), flow.coefficients, strict=True)]
-        with self._full_precision(estimator):
-            model = estimator.step_model(flow, estimator.signed_gradient(items, signed))
+        with self._full_precision(estimator.params):
+            with torch.enable_grad():
+                for item, signed_coefficient in zip(items, signed, strict=True):
+                    estimator.add_signed(self._score(item)[0], signed_coefficient)
+            model = estimator.step_model(flow, estimator.signed_gradient())
         self._step = (signs, model)
         change = model.change
         if self.num_processes == 1:

@@ -11,8 +11,9 @@ import torch
 
 from opefo_trl.maths.entropy_flow import entropy_flow, flow_stats, token_weights, weight_signs
 from opefo_trl.maths.optimizer import inner
-from opefo_trl.maths.param_flow import ParamFlowEstimator, imprecision, relative_error
+from opefo_trl.maths.param_flow import ParamFlowEstimator, imprecision, relative_error, token_count
 from opefo_trl.maths.param_jvp import completion_jvp, named_tangents
+from opefo_trl.maths.ranks import single_process_sum
 from opefo_trl.maths.step_model import solve_step_balance
 
 pytestmark = pytest.mark.numerics
@@ -96,11 +97,26 @@ def _jvp(model):
     return jvp
 
 
+def _param_flow(params, score, jvp, batch, mask, coefficient, probe=(), reduce_sum=single_process_sum, optimizer=None):
+    """The estimator of one micro-batch (and ``probe``: (batch, mask) pairs) fed its two stages, as
+    trainer.param_estimate.ParamEstimate feeds it: ``score(batch) -> (logps, entropies)`` with the graph,
+    ``jvp(batch, direction) -> (u_t, dH_t)``."""
+    tokens = token_count([mask, *(probe_mask for _, probe_mask in probe)], reduce_sum)
+    estimator = ParamFlowEstimator(params, tokens, reduce_sum, optimizer=optimizer)
+    estimator.add_batch(*score(batch), mask, coefficient)
+    for probe_batch, probe_mask in probe:
+        estimator.add_probe(score(probe_batch)[1], probe_mask)
+    direction = estimator.direction()
+    if direction is not None:
+        estimator.add_tangents(*jvp(batch, direction))
+        for probe_batch, _ in probe:
+            estimator.add_probe_tangent(jvp(probe_batch, direction)[1])
+    return estimator, estimator.finish()
+
+
 def _estimate(model, sequences, advantages, factor, optimizer=None):
-    estimator = ParamFlowEstimator(_params(model), _scorer(model), _jvp(model), optimizer=optimizer)
-    mask = torch.ones_like(factor)
-    flow = estimator.estimate([sequences], [mask], lambda batch, logps, entropies: factor * advantages[:, None])
-    return estimator, flow
+    mask, coefficient = torch.ones_like(factor), factor * advantages[:, None]
+    return _param_flow(_params(model), _scorer(model), _jvp(model), sequences, mask, coefficient, optimizer=optimizer)
 
 
 def _loss(model, sequences, advantages, factor, weights=None):
@@ -189,9 +205,9 @@ def test_a_forward_that_is_not_the_one_differentiated_is_reported():
         u, dh = torch.func.jvp(policy, (W.detach(),), (direction[0],))[1]
         return 2 * u, 2 * dh
 
-    estimator = ParamFlowEstimator([W], lambda batch: policy(W), wrong_jvp)
     coefficient = torch.tensor([[1.0], [-1.0], [0.5], [0.2]], dtype=torch.float64)
-    flow = estimator.estimate([None], [torch.ones(4, 1, dtype=torch.float64)], lambda b, lp, h: coefficient)
+    mask = torch.ones(4, 1, dtype=torch.float64)
+    _, flow = _param_flow([W], lambda batch: policy(W), wrong_jvp, None, mask, coefficient)
     assert flow.check_error == pytest.approx(1.0) and flow.lambda_error > 0.1
     assert "checks failed: the forward-mode flow and the backward-mode gradients disagree" in imprecision(flow)
 
@@ -237,7 +253,8 @@ def test_the_exact_step_balance_zeroes_the_real_adamw_step_from_the_first_step(r
         estimator, flow = _estimate(restored_network, *batch, optimizer=adamw.optimizer)
         d = advantages[:, None] * flow.alignment[0].double()
         signs = weight_signs(d)
-        model = estimator.step_model(flow, estimator.signed_gradient([sequences], [signs * flow.coefficients[0]]))
+        estimator.add_signed(_scorer(restored_network)(sequences)[0], signs * flow.coefficients[0])
+        model = estimator.step_model(flow, estimator.signed_gradient())
         balance = solve_step_balance(model.change)
         assert balance.bracketed and -1.0 < balance.lam < 1.0
         weights = 1.0 + balance.lam * signs
@@ -258,9 +275,8 @@ def test_the_exact_step_balance_zeroes_the_real_adamw_step_from_the_first_step(r
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _probe_estimate(model, batch, probe_batches, optimizer=None, reduce_sum=None, jvp_lock=None):
+def _probe_estimate(model, batch, probe_batches, optimizer=None, reduce_sum=single_process_sum, jvp_lock=None):
     sequences, advantages, factor = batch
-    kwargs = {} if reduce_sum is None else {"reduce_sum": reduce_sum}
     jvp = _jvp(model)
     if jvp_lock is not None:  # forward-mode AD has one dual level per process: one thread's pass at a time
 
@@ -268,12 +284,9 @@ def _probe_estimate(model, batch, probe_batches, optimizer=None, reduce_sum=None
             with jvp_lock:
                 return unlocked(sequences, direction)
 
-    estimator = ParamFlowEstimator(_params(model), _scorer(model), jvp, optimizer=optimizer, **kwargs)
     probe = [(s, torch.ones(s.size(0), COMPLETION, dtype=model.dtype)) for s in probe_batches]
-    flow = estimator.estimate(
-        [sequences], [torch.ones_like(factor)], lambda b, logps, entropies: factor * advantages[:, None], probe
-    )
-    return estimator, flow
+    mask, coefficient = torch.ones_like(factor), factor * advantages[:, None]
+    return _param_flow(_params(model), _scorer(model), jvp, sequences, mask, coefficient, probe, reduce_sum, optimizer)
 
 
 def _first_order_sgd(model, entropy_of, batch, weights=None):

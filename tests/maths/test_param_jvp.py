@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from opefo_trl.maths.param_flow import ParamFlowEstimator
+from opefo_trl.maths.param_flow import ParamFlowEstimator, token_count
 from opefo_trl.maths.param_jvp import completion_jvp, head_jvp, named_tangents
 
 pytestmark = pytest.mark.numerics
@@ -308,20 +308,17 @@ def _lambda_star(model, batch, coefficients):
     """lambda* = -sum_t c_t u_t / sum_t |c_t u_t| of ParamFlowEstimator (float32 full-softmax scoring, as the
     trainer's float32 forward, and completion_jvp) along v = grad Hbar."""
     names, params = zip(*_trainable(model).items(), strict=True)
-
-    def score(b):
-        return _score(model, {}, b, dtype=torch.float32)
-
-    def jvp(b, direction):
-        out = completion_jvp(
-            model, dict(zip(names, direction, strict=True)), b["input_ids"], b["attention_mask"], b["length"],
-            **TRANSFORM,
-        )  # fmt: skip
-        return out.logps_tangent, out.entropies_tangent
-
-    estimator = ParamFlowEstimator(params, score, jvp)
-    flow = estimator.estimate([batch], [batch["mask"].float()], lambda b, lp, h: coefficients.float())
-    return flow.lambda_star
+    mask = batch["mask"].float()
+    estimator = ParamFlowEstimator(params, token_count([mask]))
+    estimator.add_batch(*_score(model, {}, batch, dtype=torch.float32), mask, coefficients.float())
+    direction = estimator.direction()
+    assert direction is not None
+    out = completion_jvp(
+        model, dict(zip(names, direction, strict=True)), batch["input_ids"], batch["attention_mask"], batch["length"],
+        **TRANSFORM,
+    )  # fmt: skip
+    estimator.add_tangents(out.logps_tangent, out.entropies_tangent)
+    return estimator.finish().lambda_star
 
 
 def test_a_1e7_parameter_jitter_moves_lambda_star_by_less_than_a_tenth_of_the_papers_smallest(model32, batch):
