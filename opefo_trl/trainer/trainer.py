@@ -83,6 +83,8 @@ class OPEFOTrainer(GRPOTrainer):
     _name = "OPEFO"
     #: An `OPEFOConfig`, or a `GRPOConfig` given every OPEFO option by `with_opefo_settings`.
     args: OPEFOConfig
+    #: What TRL's scoring calls inside the hook in progress are handed to, if anything (also while TRL builds).
+    _scoring_observer: ScoringObserver | None = None
 
     def __init__(
         self,
@@ -112,8 +114,6 @@ class OPEFOTrainer(GRPOTrainer):
         self.audit, self.param_estimate, self.rollout = parts.audit, parts.param_estimate, parts.rollout
         self.micro_batches, self.reward_check = parts.micro_batches, parts.reward_check
         self.add_callback(self.audit)
-        #: What TRL's scoring calls inside the hook in progress are handed to, if anything.
-        self._scoring_observer: ScoringObserver | None = None
 
     # TRL's hooks ----------------------------------------------------------------------------------------------------
 
