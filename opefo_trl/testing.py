@@ -168,7 +168,12 @@ def warm_up_tiny_model(path: str | os.PathLike, output: str | os.PathLike, *, st
 def keep_rms_norm_in_model_dtype(model):
     """Qwen2's RMSNorm computes in float32 whatever the model's dtype; patch it, in place, to compute in the dtype of
     its input, so that a float64 model is float64 throughout (float64 references in tests and benchmarks). Returns
-    the model."""
+    the model.
+
+    transformers >= 5.25 kernelizes a model when the `kernels` package is installed (``use_kernels`` on by default):
+    at load and again at every ``train()`` / ``eval()`` switch it sets the ``forward`` of each layer that has a hub
+    kernel, RMSNorm among them, which would silently undo this patch at the first ``Trainer.train()``. Kernelization is
+    turned off for this model first (its layers back to their torch code), so that the patch stays."""
     import types
 
     import torch
@@ -177,6 +182,8 @@ def keep_rms_norm_in_model_dtype(model):
     def rms_norm_in_input_dtype(self, hidden):
         return self.weight * hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
 
+    if getattr(model, "use_kernels", False):
+        model.use_kernels = False
     for module in model.modules():
         if isinstance(module, Qwen2RMSNorm):
             module.forward = types.MethodType(rms_norm_in_input_dtype, module)
