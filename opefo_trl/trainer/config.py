@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from dataclasses import dataclass
 from typing import cast
 
@@ -242,28 +243,46 @@ def uses_loss_factor(args, method_class: type[TokenMethod]) -> bool:
     return method_class.weighs_tokens() or args.entropy_flow_diagnostics
 
 
-def _refuse_unmodelled_updates(args, method_class: type[TokenMethod]) -> None:
-    """The GRPOConfig options whose update the per-token factor does not model, refused where the factor is used
-    (docs/algorithm.md section 2 lists every option that changes the update)."""
-    if not uses_loss_factor(args, method_class):
-        return
-    fix = (
-        "or, for plain GRPO with these options, method='grpo' and entropy_flow_diagnostics=False (no flow, no weights)"
-    )
+def _unmodelled_update(args) -> tuple[str, str] | None:
+    """Why the per-token factor does not describe the update TRL applies under ``args``, and the setting that it does
+    describe (None: it describes it)."""
     if args.importance_sampling_level == "sequence":
-        raise ValueError(
+        return (
             "importance_sampling_level='sequence' is not modelled by OPEFOTrainer: TRL then weights each completion by "
             "exp(the mean of its tokens' log-ratios), so a token's weight moves the whole sequence's log-probabilities "
             "(1/n_i sum_s grad log pi_s) instead of its own, and the per-token factor, the entropy flow and the "
-            f"balance would describe an update that is not applied (method={args.method!r}, entropy_flow_diagnostics="
-            f"{args.entropy_flow_diagnostics}). Set importance_sampling_level='token' (TRL's default), {fix}."
+            "balance would describe an update that is not applied",
+            "importance_sampling_level='token' (TRL's default)",
         )
     if args.delta is not None and args.delta < 1.0:
-        raise ValueError(
+        return (
             f"delta={args.delta}: TRL's two-sided clip caps the ratio at delta, which below 1 removes the gradient of "
-            "every positive-advantage token even on-policy; the per-token factor does not model that. Set delta >= 1 "
-            f"(TRL recommends > 1 + epsilon) or None, {fix}."
+            "every positive-advantage token even on-policy; the per-token factor does not model that",
+            "delta >= 1 (TRL recommends > 1 + epsilon) or None",
         )
+    return None
+
+
+def _refuse_unmodelled_updates(args, method_class: type[TokenMethod]) -> None:
+    """The GRPOConfig options whose update the per-token factor does not model (docs/algorithm.md section 2 lists every
+    option that changes the update): refused for a method that weighs tokens by it; for a method that does not (plain
+    GRPO's drop-in), the diagnostics that would read it are switched off with one warning, and training goes on."""
+    unmodelled = _unmodelled_update(args)
+    if unmodelled is None:
+        return
+    reason, fix = unmodelled
+    if method_class.weighs_tokens():
+        raise ValueError(
+            f"{reason} (method={args.method!r}). Set {fix}, or, for plain GRPO with this option, method='grpo' (its "
+            "entropy-flow diagnostics are then off)."
+        )
+    if args.entropy_flow_diagnostics:
+        warnings.warn(
+            f"{reason}. The entropy-flow diagnostics are switched off for this run (entropy_flow_diagnostics=False); "
+            f"method={args.method!r} trains as GRPOTrainer would.",
+            stacklevel=4,
+        )
+        args.entropy_flow_diagnostics = False
 
 
 def validate_opefo_settings(args) -> None:

@@ -39,7 +39,7 @@ from opefo_trl.maths.entropy_flow import TABULAR_ESTIMATES, FlowStats, flow_per_
 from opefo_trl.maths.ranks import ReduceSum
 from opefo_trl.methods import MethodContext, TokenBatch, TokenMethod, decide_rollout_weights
 from opefo_trl.trainer.batch_state import MULTIMODAL_KEYS, STATE_KEY, MicroBatchState, RolloutItem, Scores
-from opefo_trl.trainer.loss_mirror import LossMirror
+from opefo_trl.trainer.loss_mirror import LossMirror, LossMirrorMismatch
 from opefo_trl.trainer.scoring import Scorer
 from opefo_trl.trainer.stand_ins import served_scores, write_gradient
 
@@ -405,7 +405,7 @@ class MicroBatchWeigher:
             )
         if self.check_mirror and call.logps is not None and call.factor is not None:
             self.check_mirror = False  # once: the first micro-batch's TRL loss, before the method's own terms
-            self.mirror_difference = self.loss.check_against_trl(loss, call.logps, call.inputs, call.factor)
+            self._check_mirror(loss, call)
         call.logps = None
         if call.extra_loss is not None:
             loss = loss + self.loss.aggregate(call.extra_loss, call.inputs)
@@ -414,6 +414,33 @@ class MicroBatchWeigher:
         if call.state is not None and call.state.gradient is not None:  # a stand-in for TRL's backward (stand_ins.py)
             write_gradient(self.params(), call.state.gradient)
         return loss
+
+    def _check_mirror(self, loss: torch.Tensor, call: LossCall) -> None:
+        """The one-time guard. A mismatch stops a method that weighs tokens by the factor; where only the diagnostics
+        read it (plain GRPO's drop-in), they are switched off on every rank with one warning, and training goes on."""
+        assert call.logps is not None and call.factor is not None
+        try:
+            self.mirror_difference = self.loss.check_against_trl(loss, call.logps, call.inputs, call.factor)
+            mismatch: LossMirrorMismatch | None = None
+        except LossMirrorMismatch as error:
+            if type(self.method).weighs_tokens():
+                raise
+            mismatch = error
+        if not self.diagnostics:
+            return
+        # Every rank runs the step's flow reduction or none does: off where any rank's check failed.
+        failed = self.context.reduce_sum(torch.tensor([float(mismatch is not None)], device=call.logps.device))
+        if float(failed[0]) == 0:
+            return
+        self.diagnostics, self.step_flow, self.step_off_task = False, None, None
+        if self.main_process:
+            warnings.warn(
+                "OPEFOTrainer: TRL's loss applies an update the per-token factor does not model (options in effect: "
+                f"{', '.join(self.loss.options) or 'none besides the defaults'}), so the entropy flow would describe "
+                "another update: the entropy-flow diagnostics are switched off for this run. Training goes on as "
+                "GRPOTrainer's.",
+                stacklevel=4,
+            )
 
     def end_optimizer_step(self) -> None:
         """After the last micro-batch of an optimizer step: controllers, then step-level metrics (all ranks)."""

@@ -85,10 +85,6 @@ def config(**overrides):
         ),
         # Sequence-level importance sampling moves each token's weight onto its whole sequence: not modelled.
         (dict(importance_sampling_level="sequence"), r"importance_sampling_level='sequence' is not modelled"),
-        (
-            dict(method="grpo", importance_sampling_level="sequence"),
-            r"importance_sampling_level='sequence' .*entropy_flow_diagnostics=True",
-        ),
         (dict(method="par", importance_sampling_level="sequence", entropy_flow_diagnostics=False), "'sequence'"),
         (dict(delta=0.9), r"delta=0.9: TRL's two-sided clip"),
     ],
@@ -100,9 +96,26 @@ def test_bad_settings_fail_at_configuration_time(overrides, match):
 
 def test_options_the_factor_does_not_model_are_accepted_where_it_is_not_used():
     """Plain GRPO without the diagnostics is TRL's own update: no factor, nothing to mis-model."""
-    args = config(method="grpo", entropy_flow_diagnostics=False, importance_sampling_level="sequence", delta=0.9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        args = config(method="grpo", entropy_flow_diagnostics=False, importance_sampling_level="sequence", delta=0.9)
     assert args.importance_sampling_level == "sequence"
     assert config(delta=1.5).delta == 1.5  # >= 1: no effect at ratio 1
+
+
+@pytest.mark.parametrize(
+    "overrides,reason",
+    [(dict(importance_sampling_level="sequence"), "importance_sampling_level='sequence'"), (dict(delta=0.9), "delta=0.9")],
+)
+def test_plain_grpo_with_an_option_the_diagnostics_cannot_model_switches_them_off_with_one_warning(overrides, reason):
+    """The drop-in: what GRPOTrainer trains, method='grpo' trains too; only the diagnostics (on by default), which would
+    describe another update, are switched off, with one warning naming the option."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        args = config(method="grpo", **overrides)
+    switched_off = [w for w in caught if "entropy-flow diagnostics are switched off" in str(w.message)]
+    assert len(switched_off) == 1 and reason in str(switched_off[0].message)
+    assert args.entropy_flow_diagnostics is False
 
 
 def test_off_policy_opt_in_and_off_policy_baselines():

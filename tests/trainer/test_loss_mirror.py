@@ -162,6 +162,35 @@ def test_the_first_micro_batch_guard_stops_an_update_the_mirror_does_not_model(
         trainer.train()
 
 
+def test_where_only_the_diagnostics_read_the_factor_a_mismatch_switches_them_off_and_training_goes_on(
+    tiny_model_path, tiny_dataset, length_reward, tmp_path, monkeypatch
+):
+    """Under plain GRPO (unweighted tokens) the guard's mismatch would only make the diagnostics describe another
+    update: they are switched off with one warning, and every optimizer step trains (no refusal of what GRPOTrainer
+    trains). The mismatch is forced here: on-policy with w_t = 1, TRL's sequence-level ratio has the token-level
+    gradient (measured 8.5e-8), so no real option both passes the configuration and mismatches under GRPO."""
+    import warnings
+
+    from opefo_trl.trainer.loss_mirror import LossMirrorMismatch
+
+    def mismatch(self, *args):
+        raise LossMirrorMismatch("forced")
+
+    monkeypatch.setattr(LossMirror, "check_against_trl", mismatch)
+    args = make_config(tmp_path, method="grpo", gradient_accumulation_steps=2, per_device_train_batch_size=4)
+    trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    switched_off = [w for w in caught if "diagnostics are switched off" in str(w.message)]
+    assert len(switched_off) == 1
+    assert trainer.state.global_step == args.max_steps
+    assert not any(key.startswith("entropy_flow/") for entry in trainer.state.log_history for key in entry)
+    args = make_config(tmp_path / "opefo", gradient_accumulation_steps=2, per_device_train_batch_size=4)
+    with pytest.raises(LossMirrorMismatch, match="forced"):  # a method that weighs tokens by the factor stops
+        make_trainer(tiny_model_path, tiny_dataset, length_reward, args).train()
+
+
 def test_the_guard_finds_the_modelled_update_in_training(tiny_model_path, tiny_dataset, length_reward, tmp_path):
     """On a real first micro-batch (OPEFO's weights in the advantages) the guard ran once and found TRL's update."""
     trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path, max_steps=1))

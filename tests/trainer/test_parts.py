@@ -62,7 +62,8 @@ def test_the_step_balance_refuses_what_trls_own_flags_add_to_the_loss(
 
 def test_sequence_level_importance_sampling_with_opefo_trainer(tiny_model_path, tiny_dataset, length_reward, tmp_path):
     """TRL's test_train_sequence_importance_sampling setting on its own (num_iterations=1): refused by name with the
-    default method; plain GRPO without the diagnostics (no factor used) trains as TRL's own trainer does."""
+    default method; plain GRPO trains as TRL's own trainer does, its diagnostics (on by default) switched off with one
+    warning."""
     import torch
     from trl import GRPOConfig
 
@@ -74,9 +75,11 @@ def test_sequence_level_importance_sampling_with_opefo_trainer(tiny_model_path, 
     with pytest.raises(ValueError, match=r"importance_sampling_level='sequence' is not modelled by OPEFOTrainer"):
         OPEFOTrainer(tiny_model_path, length_reward, GRPOConfig(**trl_args), train_dataset=tiny_dataset)
     args = GRPOConfig(**trl_args)
-    args.method, args.entropy_flow_diagnostics = "grpo", False
-    trainer = OPEFOTrainer(tiny_model_path, length_reward, args, train_dataset=tiny_dataset)
+    args.method = "grpo"
+    with pytest.warns(UserWarning, match=r"importance_sampling_level='sequence'.*diagnostics are switched off"):
+        trainer = OPEFOTrainer(tiny_model_path, length_reward, args, train_dataset=tiny_dataset)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     assert trainer.state.log_history[-1]["train_loss"] is not None
+    assert not any(key.startswith("entropy_flow/") for entry in trainer.state.log_history for key in entry)
     assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
