@@ -17,13 +17,14 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed is a pure-Python install on CPU: build no CUDA ops.
 export DS_BUILD_OPS := 0
 
-.PHONY: help install test test-fast test-kernels test-vllm install-vllm lint format demo demo-full demo-quick bench bench-vllm bench-eval gpu-wheels clean
+.PHONY: help install test test-fast test-latest constraints test-kernels test-vllm install-vllm lint format demo demo-full demo-quick bench bench-vllm bench-eval gpu-wheels clean
 
 help:
 	@echo "make demo   - set up .venv, train GRPO / OPEFO / baselines on a synthetic task (3 seeds), write plots + table"
 	@echo "make demo-full - the README's comparison: 7 methods x 16 seeds x 2 floating-point settings (about 2 h on 2 cores)"
 	@echo "make test   - set up .venv and run the offline test suite (everything; what CI runs)"
 	@echo "make test-fast - the development loop: the suite without its slow tier, on two workers"
+	@echo "make test-latest - a fresh .venv-latest with the newest versions setup.cfg allows: fast tier + distributed tests"
 	@echo "make test-kernels - the numerics tests again under other CPU kernels and one thread (CI's second pass)"
 	@echo "make test-vllm - set up .venv-vllm (vLLM's CPU build) and run the tests on the real engine (marked vllm)"
 	@echo "make lint   - ruff lint + format check (make format rewrites) + mypy over the package"
@@ -33,19 +34,25 @@ help:
 	@echo "make gpu-wheels - the wheels benchmarks/gpu_check.sh carries to a GPU machine, into .whl/"
 
 # A GPU machine takes the default (CUDA) torch; elsewhere the CPU build, never a multi-GB CUDA download.
-$(VENV)/.torch:
-	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
+# $(call new_venv,FOLDER): a fresh virtualenv there with pip upgraded and that torch.
+define new_venv
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		$(PIP) install "torch>=2.4"; \
+		$(1)/bin/python -m pip install "torch>=2.4"; \
 	else \
-		$(PIP) install "torch==$(TORCH_VERSION)+cpu" || \
-		$(PIP) install --index-url $(TORCH_CPU_INDEX) "torch==$(TORCH_VERSION)"; \
+		$(1)/bin/python -m pip install "torch==$(TORCH_VERSION)+cpu" || \
+		$(1)/bin/python -m pip install --index-url $(TORCH_CPU_INDEX) "torch==$(TORCH_VERSION)"; \
 	fi
+endef
+
+$(VENV)/.torch:
+	$(call new_venv,$(VENV))
 	touch $@
 
-$(VENV)/.installed: $(VENV)/.torch setup.cfg pyproject.toml
-	$(PIP) install -e ".[dev]"
+# The pinned set CI last passed with (constraints.txt); `make test-latest` tries the newest versions instead.
+$(VENV)/.installed: $(VENV)/.torch setup.cfg pyproject.toml constraints.txt
+	$(PIP) install -c constraints.txt -e ".[dev]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -57,6 +64,31 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -m "not slow and not vllm" -n 2 $(PYTEST_ARGS)
+
+# A fresh environment resolved to the newest versions setup.cfg's ranges allow (what a user's `pip install` gets
+# today), made anew each run: it prints what it resolved beside constraints.txt, then runs the fast tier and the
+# distributed tests. `make constraints` then pins what passed.
+LATEST_VENV ?= .venv-latest
+LATEST_PY := $(LATEST_VENV)/bin/python
+PINNED_PACKAGES := trl transformers accelerate datasets deepspeed peft math-verify kernels huggingface_hub torch
+test-latest:
+	rm -rf $(LATEST_VENV)
+	$(call new_venv,$(LATEST_VENV))
+	$(LATEST_PY) -m pip install -q -e ".[dev]"
+	@echo "make test-latest resolved (package: newest allowed / constraints.txt):"
+	@for name in $(PINNED_PACKAGES); do \
+		echo "  $$name: $$($(LATEST_PY) -m pip show $$name 2>/dev/null | sed -n 's/^Version: //p') / $$(grep -i "^$$name==" constraints.txt | cut -d= -f3)"; \
+	done
+	@echo "  other packages newer than constraints.txt: $$($(LATEST_PY) -m pip freeze --exclude-editable | grep -v -i -E '^(torch|pip|setuptools|wheel)==' | grep -v -x -F -f constraints.txt | tr '\n' ' ')"
+	$(LATEST_PY) -m pytest -m "not slow and not vllm" -n 2 -p no:cacheprovider $(PYTEST_ARGS)
+	$(LATEST_PY) -m pytest -n 2 -p no:cacheprovider tests/trainer/test_distributed.py $(PYTEST_ARGS)
+
+# constraints.txt from the environment `make test-latest` built (run it after that passed, and commit the file).
+constraints:
+	@test -x $(LATEST_PY) || { echo "make constraints: run make test-latest first (it builds $(LATEST_VENV))"; exit 2; }
+	{ sed -n '/^#/p' constraints.txt; $(LATEST_PY) -m pip freeze --exclude-editable | \
+		grep -v -i -E '^(torch|pip|setuptools|wheel)=='; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 # Tolerances tuned on one CPU have failed on others: the numerics tests again with other kernels (ATen's default
 # dispatch instead of AVX2/AVX-512, MKL's SSE2 code path) and one thread (another summation order).
@@ -129,4 +161,4 @@ gpu-wheels: install
 	PYTHON=$(PY) bash benchmarks/fetch_wheels.sh
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(LATEST_VENV) runs .pytest_cache
