@@ -70,7 +70,7 @@ test-fast: install
 # distributed tests. `make constraints` then pins what passed.
 LATEST_VENV ?= .venv-latest
 LATEST_PY := $(LATEST_VENV)/bin/python
-PINNED_PACKAGES := trl transformers accelerate datasets deepspeed peft math-verify kernels huggingface_hub torch
+PINNED_PACKAGES := trl transformers accelerate datasets deepspeed peft math-verify kernels huggingface_hub
 test-latest:
 	rm -rf $(LATEST_VENV)
 	$(call new_venv,$(LATEST_VENV))
@@ -79,6 +79,7 @@ test-latest:
 	@for name in $(PINNED_PACKAGES); do \
 		echo "  $$name: $$($(LATEST_PY) -m pip show $$name 2>/dev/null | sed -n 's/^Version: //p') / $$(grep -i "^$$name==" constraints.txt | cut -d= -f3)"; \
 	done
+	@echo "  torch: $$($(LATEST_PY) -m pip show torch | sed -n 's/^Version: //p') (the Makefile's TORCH_VERSION on a CPU)"
 	@echo "  other packages newer than constraints.txt: $$($(LATEST_PY) -m pip freeze --exclude-editable | grep -v -i -E '^(torch|pip|setuptools|wheel)==' | grep -v -x -F -f constraints.txt | tr '\n' ' ')"
 	$(LATEST_PY) -m pytest -m "not slow and not vllm" -n 2 -p no:cacheprovider $(PYTEST_ARGS)
 	$(LATEST_PY) -m pytest -n 2 -p no:cacheprovider tests/trainer/test_distributed.py $(PYTEST_ARGS)
