@@ -27,12 +27,17 @@ METHODS = [
     "kl_cov",
     "par",
     "steer",
+    "steer_published",
     "stare",
     "ce_gppo",
 ]
 STRICT = {"opefo", "grpo_strict", "par", "steer", "stare"}  # one optimizer update per rollout batch
 TOKEN_METHOD = {m: m for m in ("opefo", "par", "clip_cov", "kl_cov", "steer", "stare", "ce_gppo")}  # others: "grpo"
+TOKEN_METHOD["steer_published"] = "steer"
 ROLLOUT_COMPLETIONS = 32 * 8
+#: Recipes on their authors' schedule rather than the comparison's: (prompts per rollout batch, optimizer steps per
+#: rollout batch).
+AUTHORS_SCHEDULE = {"steer_published": (512, 16)}
 MODEL_KEYS = {
     "model_name_or_path",
     "max_completion_length",
@@ -72,16 +77,21 @@ def test_recipe_parses_with_the_papers_settings(model, method):
     gpus = num_processes()
     assert gpus == 8
 
-    # 32 prompts x 8 responses per rollout batch on 8 GPUs.
+    # 32 prompts x 8 responses per rollout batch on 8 GPUs (the authors' schedule: their prompts and steps).
     assert args.num_generations == 8
-    assert args.per_device_train_batch_size * gpus * args.steps_per_generation == ROLLOUT_COMPLETIONS
     completions_per_update = args.per_device_train_batch_size * gpus * args.gradient_accumulation_steps
-    if method in STRICT:
-        assert completions_per_update == ROLLOUT_COMPLETIONS
+    rollout_completions = args.per_device_train_batch_size * gpus * args.steps_per_generation
+    if method in AUTHORS_SCHEDULE:
+        prompts, updates = AUTHORS_SCHEDULE[method]
+        assert rollout_completions == prompts * 8 and completions_per_update * updates == rollout_completions
+        assert args.steps_per_generation == updates * args.gradient_accumulation_steps
+        assert args.learning_rate == pytest.approx(1e-6)
+    elif method in STRICT:
+        assert rollout_completions == completions_per_update == ROLLOUT_COMPLETIONS
         assert args.steps_per_generation == args.gradient_accumulation_steps
         assert args.learning_rate == pytest.approx(2.83e-6)
     else:
-        assert completions_per_update * 8 == ROLLOUT_COMPLETIONS
+        assert rollout_completions == completions_per_update * 8 == ROLLOUT_COMPLETIONS
         assert args.steps_per_generation == 8 * args.gradient_accumulation_steps
         assert args.learning_rate == pytest.approx(1e-6)
     assert args.num_iterations == 1
@@ -91,15 +101,23 @@ def test_recipe_parses_with_the_papers_settings(model, method):
     assert (args.temperature, args.beta, args.loss_type) == (1.0, 0.0, "dapo")
     assert args.entropy_coef == (1e-3 if method == "entropy_reg" else 0.0)
     # Clip-Cov: the authors' eps_low = eps_high = 1; KL-Cov: no PPO clipping at all.
-    assert args.epsilon_high == {"clip_higher": 0.28, "clip_cov": 1.0, "kl_cov": 1e9, "ce_gppo": 0.2}.get(method)
+    epsilon_high = {"clip_higher": 0.28, "clip_cov": 1.0, "kl_cov": 1e9, "ce_gppo": 0.2, "steer_published": 0.28}
+    assert args.epsilon_high == epsilon_high.get(method)
     assert args.epsilon == {"clip_cov": 1.0, "kl_cov": 1e9}.get(method, 0.2)
     if method == "clip_cov":
         assert (args.clip_cov_ratio, args.clip_cov_lb, args.clip_cov_ub) == (2e-4, 1.0, 5.0)
     if method == "kl_cov":
         assert (args.kl_cov_ratio, args.kl_cov_coef) == (2e-3, 1.0)
-    if method == "steer":
+    # The dual clip of the authors' code (clip_ratio_c 10) where their schedule is taken.
+    assert args.delta == (10.0 if method in ("ce_gppo", "steer_published") else None)
+    if method in ("steer", "steer_published"):
         assert (args.steer_mapping, args.steer_weight_min, args.steer_omega_floor) == ("exp", 0.8, 0.02)
         assert args.entropy_flow_estimate == "opefo"
+        published = method == "steer_published"
+        assert (args.steer_omega, args.steer_scope) == (
+            ("published", "micro_batch") if published else ("entropy_flow", "rollout_batch")
+        )
+        assert args.per_device_train_batch_size == (8 if published else 2)  # the authors' micro-batch: 8 sequences
     if method == "stare":
         assert (args.stare_variant, args.stare_top_ratio, args.stare_target_entropy) == ("O1", 0.1, 0.3)
         assert (args.stare_weight_positive, args.stare_weight_negative) == (1.1, 0.9)
@@ -164,6 +182,7 @@ METHOD_METRICS = {
     "clip_cov": ["clip_cov/dropped_frac"],
     "kl_cov": ["kl_cov/penalised_frac"],
     "steer": ["steer/weight_mean", "steer/floor_frac", "steer/omega_max"],
+    "steer_published": ["steer/weight_mean", "steer/floor_frac", "steer/omega_max"],
     "stare": ["stare/gate_on", "stare/entropy", "stare/positive_frac", "stare/negative_frac"],
     "ce_gppo": ["ce_gppo/low_frac", "ce_gppo/high_frac"],
     "entropy_reg": ["entropy_coef"],
@@ -184,7 +203,7 @@ def test_7b_recipe_trains_two_steps_on_cpu(method, tiny_model_path, problems_fil
     with open(recipe) as f:
         written = yaml.safe_load(f)
     out = str(tmp_path / method)
-    if written.get("steps_per_generation"):  # keep the recipe's 8 updates per rollout: 8 x 2 completions
+    if written.get("steps_per_generation"):  # keep the recipe's updates per rollout (8 or 16) of 2 completions
         ratio = written["steps_per_generation"] // written["gradient_accumulation_steps"]
         sizes = [
             "--per_device_train_batch_size",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,9 @@ class CEGPPO(ClipRangeMethod):
     The term is a per-token loss of value 0, -c A (log pi - sg(log pi)), weighted by each token's factor f_t like TRL's
     own policy gradient (``TokenTerms.factor_loss``: normalisation, masks, vLLM importance ratio). Strictly on-policy
     the ratio is 1, nothing is clipped and CE-GPPO is plain GRPO.
+
+    With ``ce_gppo_positive_nll_coef`` = c > 0 (the authors' scripts: 0.1), the authors' NLL term on correct responses
+    is added: c times the mean -log pi over the micro-batch's tokens of positive advantage (``positive_nll``).
     """
 
     @dataclass
@@ -49,11 +53,24 @@ class CEGPPO(ClipRangeMethod):
             "gradient is beta2 (1 + epsilon_high) A grad log pi).",
         )
 
+        ce_gppo_positive_nll_coef: float = setting(
+            0.0,
+            "CE-GPPO: coefficient c of the authors' NLL term on correct responses (their scripts: 0.1; 0: off): "
+            "c times the mean -log pi over the micro-batch's tokens of positive advantage, added to the loss so that, "
+            "with loss_type='dapo', it weighs against the policy loss as in the authors' code (token means over the "
+            "micro-batch). The authors' set is the correct responses; with their dynamic sampling every group is "
+            "mixed and these are exactly the responses of positive advantage.",
+        )
+
         def __post_init__(self):
             for name in ("ce_gppo_beta1", "ce_gppo_beta2"):
                 value = getattr(self, name)
                 if not 0.0 <= value <= 10.0:
                     raise ValueError(f"{name} scales a kept gradient and must lie in [0, 10]; got {value}.")
+            if not (math.isfinite(self.ce_gppo_positive_nll_coef) and self.ce_gppo_positive_nll_coef >= 0):
+                raise ValueError(
+                    f"ce_gppo_positive_nll_coef must be >= 0 (0: no NLL term); got {self.ce_gppo_positive_nll_coef}."
+                )
 
     settings: Settings
     summary = "keeps a bounded gradient of the tokens PPO's clip removes"
@@ -91,6 +108,18 @@ class CEGPPO(ClipRangeMethod):
         high = batch.in_loss & (batch.advantages > 0) & (ratio > 1 + self.epsilon_high)
         return low, high
 
+    def positive_nll(self, batch: TokenBatch, logps: torch.Tensor) -> torch.Tensor:
+        """The NLL term per token, (B, T), attached to ``logps``: -c log pi_t n / n+ on the n+ tokens of positive
+        advantage among the n in the loss of the micro-batch, 0 elsewhere. Aggregated like TRL's policy loss (mean
+        over the micro-batch's tokens with ``loss_type='dapo'`` and one micro-batch) it is c * mean over the positive
+        tokens of -log pi, the authors' term."""
+        positive = batch.in_loss & (batch.advantages > 0)
+        count, positives = batch.in_loss.sum(), positive.sum()
+        if positives == 0:
+            return torch.zeros_like(logps)
+        scale = self.settings.ce_gppo_positive_nll_coef * float(count) / float(positives)
+        return -scale * logps * positive
+
     def micro_batch_terms(self, batch, logps, context: MethodContext = SINGLE_PROCESS) -> TokenTerms:
         low, high = self.clipped(batch)
         scale = (
@@ -98,9 +127,25 @@ class CEGPPO(ClipRangeMethod):
             .masked_fill(low, self.settings.ce_gppo_beta1 * (1 - self.epsilon_low))
             .masked_fill(high, self.settings.ce_gppo_beta2 * (1 + self.epsilon_high))
         )
-        counts = context.reduce_sum(torch.stack([low.sum(), high.sum(), batch.in_loss.sum()]).double())
+        positive = batch.in_loss & (batch.advantages > 0)
+        counts = context.reduce_sum(
+            torch.stack(
+                [
+                    low.sum().double(),
+                    high.sum().double(),
+                    batch.in_loss.sum().double(),
+                    positive.sum().double(),
+                    -(batch.logps.double() * positive).sum(),
+                ]
+            )
+        )
         tokens = float(counts[2].clamp(min=1))
         self.metrics = {"ce_gppo/low_frac": float(counts[0]) / tokens, "ce_gppo/high_frac": float(counts[1]) / tokens}
+        if self.settings.ce_gppo_positive_nll_coef > 0:  # the positive tokens' mean NLL at this forward's log-probs
+            self.metrics["ce_gppo/positive_nll"] = float(counts[4]) / float(counts[3].clamp(min=1))
         # Value 0, gradient -scale * A * grad log pi: the clipped token's gradient, which TRL's clip zeroed. Returned
         # also when nothing is clipped, so every rank computes the same factors (TRL's entropy mask is a collective).
-        return TokenTerms(factor_loss=-scale * batch.advantages.to(logps.dtype) * (logps - logps.detach()))
+        kept = -scale * batch.advantages.to(logps.dtype) * (logps - logps.detach())
+        if self.settings.ce_gppo_positive_nll_coef == 0:
+            return TokenTerms(factor_loss=kept)
+        return TokenTerms(factor_loss=kept, extra_loss=self.positive_nll(batch, logps))

@@ -40,6 +40,9 @@ class ClipCov(ClipRangeMethod):
 
     ``max(1, int(ratio * n))`` tokens (n: tokens in the loss) are picked uniformly among the tokens in the loss that
     PPO's clip has not already removed, with lb < cov_t < ub (all of them if fewer qualify); their loss weight is 0.
+    n, the covariance means and the pick are each micro-batch's on its own rank (the authors' code picks per
+    micro-batch too), so the dropped share depends on ``per_device_train_batch_size``: with fewer than 1 / ratio
+    tokens in a micro-batch the "at least 1" rule drops more than ``ratio`` of them.
     ``epsilon_low`` / ``epsilon_high`` are TRL's clip range (``epsilon``, ``epsilon_high``).
     """
 

@@ -28,8 +28,13 @@ KL_COV_NO_CLIP = 1e9
 class KLCov(TokenMethod):
     """KL-Cov: add ``coef * |log r_t|`` to the loss of the top-k tokens by covariance score.
 
-    k = max(1, int(ratio * n)). Under strict on-policy training log r = 0 and |x| has zero gradient at 0, so KL-Cov
-    is plain GRPO there; the published baselines take 8 updates per rollout batch.
+    k = max(1, int(ratio * n)), with n and the covariance means taken over each micro-batch on its own rank (the
+    authors' code picks per micro-batch too), so the penalised set depends on ``per_device_train_batch_size``. The
+    published baselines take 8 updates per rollout batch. Strictly on-policy the penalty's gradient is
+    coef * sign(log r_t) grad log pi_t on the chosen tokens: 0 where TRL keeps no old log-probs (log r = 0 exactly,
+    and |x| has zero gradient at 0: plain GRPO), but +-coef per chosen token, of random sign, wherever TRL's
+    separately re-scored ``old_per_token_logps`` (vLLM importance-sampling correction) differ from the training
+    forward's at all.
     """
 
     @dataclass
@@ -49,18 +54,37 @@ class KLCov(TokenMethod):
 
     settings: Settings
     summary = "a |log ratio| penalty on the tokens of highest covariance"
-    table_rows = (("KL-Cov", '`method="kl_cov"` ({defaults}; inert on-policy, warned)'),)
+    table_rows = (
+        (
+            "KL-Cov",
+            '`method="kl_cov"` ({defaults}; on-policy inert, or random-sign noise with vLLM importance-sampling '
+            "correction, warned)",
+        ),
+    )
 
     @classmethod
     def check_config(cls, args: Any) -> None:
-        """Runs anywhere; warns where it cannot be the published KL-Cov (on-policy: inert; PPO's clip: kept)."""
+        """Runs anywhere; warns where it cannot be the published KL-Cov (on-policy: inert, or noise where TRL
+        re-scores the old log-probs; PPO's clip: kept)."""
         if not off_policy_reasons(args):
-            warnings.warn(
-                "method='kl_cov' in a strict on-policy configuration is inert: log r = 0 (up to sampler noise with "
-                "vLLM), so the |log r| penalty has no gradient and training is plain GRPO. The published KL-Cov "
-                "baselines take 8 updates per rollout (steps_per_generation = 8 * gradient_accumulation_steps).",
-                stacklevel=2,
-            )
+            if args.use_vllm and args.vllm_importance_sampling_correction:
+                warnings.warn(
+                    "method='kl_cov' in a strict on-policy configuration with vLLM importance-sampling correction is "
+                    "not the published KL-Cov: TRL re-scores old_per_token_logps in a separate no-grad pass, and "
+                    "wherever it differs from the training forward's log-probs at all (batch shapes, kernels, bf16; "
+                    "even by 1e-6), the |log r| penalty gives each penalised token a gradient of +-kl_cov_coef (in "
+                    "units of the loss normaliser) of random sign; where the two passes agree bit for bit it has no "
+                    "gradient. The published KL-Cov baselines take 8 updates per rollout "
+                    "(steps_per_generation = 8 * gradient_accumulation_steps).",
+                    stacklevel=2,
+                )
+            else:
+                warnings.warn(
+                    "method='kl_cov' in a strict on-policy configuration is inert: TRL keeps no old log-probs, log r "
+                    "= 0 exactly, the |log r| penalty has no gradient and training is plain GRPO. The published KL-Cov "
+                    "baselines take 8 updates per rollout (steps_per_generation = 8 * gradient_accumulation_steps).",
+                    stacklevel=2,
+                )
         if args.epsilon < KL_COV_NO_CLIP:
             warnings.warn(
                 f"method='kl_cov' runs on TRL's clipped loss (epsilon={args.epsilon}); the published KL-Cov has no "

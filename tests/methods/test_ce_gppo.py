@@ -1,5 +1,5 @@
 """CE-GPPO: the kept gradient of the tokens PPO's clip removes, by hand and against TRL's own loss for every clipped
-loss type; inert on-policy; what it refuses."""
+loss type; the authors' dual clip (TRL's delta) and positive-sample NLL term; inert on-policy; what it refuses."""
 
 import sys
 import warnings
@@ -167,6 +167,8 @@ def test_ce_gppo_refuses_a_loss_without_ppos_clip_and_warns_on_policy(tmp_path):
         make_config(tmp_path, **off_policy)
     with pytest.raises(ValueError, match=r"ce_gppo_beta1 scales a kept gradient and must lie in \[0, 10\]"):
         CEGPPO(ce_gppo_beta1=-0.1)
+    with pytest.raises(ValueError, match=r"ce_gppo_positive_nll_coef must be >= 0 \(0: no NLL term\); got -0.1"):
+        CEGPPO(ce_gppo_positive_nll_coef=-0.1)
 
 
 def test_ce_gppo_trains_off_policy_with_opefo_trainer_and_adds_its_term_on_the_second_update(
@@ -210,3 +212,86 @@ def test_ce_gppo_trains_off_policy_with_opefo_trainer_and_adds_its_term_on_the_s
     tokens = int(second.in_loss.sum())
     assert fractions[1] == pytest.approx(int(low.sum()) / tokens)
     assert logged(trainer, "ce_gppo/high_frac")[1] == pytest.approx(int(high.sum()) / tokens)
+
+
+@pytest.mark.numerics
+def test_ce_gppo_positive_nll_is_the_authors_term():
+    """ce_gppo_positive_nll_coef = 0.1: the term aggregated as TRL's dapo loss aggregates one micro-batch (the sum over
+    its tokens in the loss / their count) has the gradient of the authors' positive_loss_coeff * token-mean of -log pi
+    over the correct responses (here the rows of positive advantage, as under the authors' dynamic sampling),
+    re-implemented from its formula in float64. Off by default. Both are float64: 1e-12."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from methods_batch import random_batch
+
+    batch = random_batch(seed=3, b=6, t=20, old_shift=lambda g, b, t: torch.randn(b, t, generator=g) * 0.5)
+    batch.logps, batch.advantages = batch.logps.double(), batch.advantages.double()
+    assert (batch.advantages[:, 0] > 0).sum() in range(1, 6)  # some rows correct, some not
+    logps = batch.logps.clone().requires_grad_(True)
+    assert CEGPPO().micro_batch_terms(batch, logps).extra_loss is None  # off by default
+    method = CEGPPO(ce_gppo_positive_nll_coef=0.1)
+    terms = method.micro_batch_terms(batch, logps)
+    mask = batch.in_loss.double()
+    (ours,) = torch.autograd.grad((terms.extra_loss * mask).sum() / mask.sum(), logps)
+
+    leaf = batch.logps.clone().requires_grad_(True)
+    correct = batch.advantages[:, 0] > 0
+    authors = 0.1 * (-leaf[correct] * mask[correct]).sum() / mask[correct].sum()
+    (expected,) = torch.autograd.grad(authors, leaf)
+    assert (expected != 0).sum() > 0
+    torch.testing.assert_close(ours, expected, rtol=1e-12, atol=0)
+    positive = batch.in_loss & (batch.advantages > 0)
+    nll = float(-batch.logps[positive].mean())
+    assert method.pop_metrics()["ce_gppo/positive_nll"] == pytest.approx(nll, rel=1e-12)
+
+
+def test_ce_gppo_with_the_recipes_delta_gives_a_negative_token_above_ratio_10_no_gradient(
+    warm_model_path, tiny_dataset, length_reward, tmp_path
+):
+    """The authors' dual clip (clip_ratio_c = 10) is TRL's delta = 10, as the CE-GPPO recipes set it: a token of
+    negative advantage at ratio ~20 gets no gradient from TRL's loss plus CE-GPPO's term; without delta it gets
+    -r A f_t. Every other token's gradient is the same either way."""
+    from trainer_setup import make_config, make_trainer
+    from trl import GRPOTrainer
+
+    from opefo_trl.trainer.loss_mirror import LossMirror
+
+    args = make_config(
+        tmp_path, method="ce_gppo", loss_type="dapo", num_iterations=2, per_device_train_batch_size=4, delta=10.0
+    )
+    trainer = make_trainer(warm_model_path, tiny_dataset, length_reward, args)
+    inputs = _micro_batch_with_unequal_lengths(trainer)
+    gen = torch.Generator().manual_seed(1)
+    batch, length = inputs["completion_ids"].shape
+    inputs["advantages"] = torch.tensor([-1.0, 1.0, -0.5, 2.0])[:batch]
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        logps, entropies, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, ids, attention, length, compute_entropy=True
+        )
+    far = torch.rand(batch, length, generator=gen) < 0.3  # ratio e^3 ~ 20 on these, e^(+-0.1) elsewhere
+    log_ratio = torch.where(far, torch.full_like(logps, 3.0), 0.1 * torch.randn(batch, length, generator=gen))
+    inputs["old_per_token_logps"] = logps - log_ratio
+    mask = LossMirror.mask(inputs).bool()
+    advantages = inputs["advantages"][:, None].expand(batch, length)
+    factor = LossMirror.of(trainer).factor(inputs, logps, entropies, inputs["advantages"])
+    token_batch = TokenBatch(logps, entropies, advantages, factor, old_logps=inputs["old_per_token_logps"])
+    dual_clipped = far & mask & (advantages < 0)
+    assert dual_clipped.sum() > 0
+
+    def gradient(delta):
+        trainer.args.delta = delta
+        leaf = logps.clone().requires_grad_(True)
+        trainer._get_per_token_logps_and_entropies = lambda *a, **k: (leaf, entropies, None)
+        loss = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+        loss = loss + (trainer.token_method.micro_batch_terms(token_batch, leaf).factor_loss * factor).sum()
+        return torch.autograd.grad(loss, leaf)[0].double()
+
+    with_delta, without = gradient(10.0), gradient(None)
+    assert with_delta[dual_clipped].abs().max() == 0
+    ratio = log_ratio.double().exp()
+    expected = -ratio * advantages.double() * factor.double()  # units of f_t: -r A
+    torch.testing.assert_close(without[dual_clipped], expected[dual_clipped], rtol=1e-5, atol=0)
+    torch.testing.assert_close(with_delta[~dual_clipped], without[~dual_clipped], rtol=0, atol=0)
