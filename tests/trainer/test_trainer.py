@@ -427,6 +427,19 @@ def test_a_users_grpo_config_is_kept_as_it_is(tiny_model_path, tiny_dataset, len
     assert logged(trainer, "opefo/lambda") and logged(trainer, "entropy_flow/lambda")
 
 
+def test_the_model_card_names_and_cites_the_opefo_paper(tiny_model_path, tiny_dataset, length_reward, tmp_path):
+    """The card TRL writes on `save_model` / `push_to_hub` says which method trained the model and cites its paper,
+    then GRPO's (GRPOTrainer's own entry names DeepSeekMath alone)."""
+    trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path))
+    trainer.create_model_card(model_name="tiny-opefo", dataset_name="tiny/arithmetic")
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "This model was trained with OPEFO, a method introduced in [Understanding and Preventing Entropy " in card
+    assert "(https://huggingface.co/papers/2605.11491)" in card
+    assert "- opefo" in card  # the hub tag, beside trl and grpo
+    opefo_entry, grpo_entry = card.index("eprint    = {arXiv:2605.11491}"), card.index("arXiv:2402.03300")
+    assert card.index("Cite OPEFO as:") < opefo_entry < grpo_entry < card.index("Cite TRL as:")
+
+
 def test_an_off_policy_grpo_config_is_refused_with_a_fix_that_works_for_it(
     tiny_model_path, tiny_dataset, length_reward, tmp_path
 ):
