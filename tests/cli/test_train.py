@@ -1170,7 +1170,7 @@ def test_probe_prompts_are_set_aside_from_training_and_sampled_as_the_fixed_prob
     assert main(argv) == 0
     gold = [str(i + 2 + 3 * i + 1) for i in range(16)]
     assert set(reward_module.SEEN_SOLUTIONS) == set(gold[:12])
-    assert all(-1.0 < m["opefo/lambda"] < 1.0 for m in _metrics(out) if "opefo/lambda" in m)
+    assert all(-1.0 < m["entropy_flow/lambda"] < 1.0 for m in _metrics(out) if "entropy_flow/lambda" in m)
 
 
 @pytest.mark.parametrize(
