@@ -81,7 +81,7 @@ def build_parser(
         "command-line options override it.",
     )
     _group_help(parser, groups, other_options)
-    parser.renamed_options = dict(renamed or {})
+    parser.renamed_options = dict(renamed or {})  # type: ignore[attr-defined]  # read by _unknown_names_error
     return parser
 
 
