@@ -35,3 +35,22 @@ def test_the_readme_cpu_example_trains_one_step_offline(tmp_path, monkeypatch, c
         increase > 0 and decrease > 0 and math.isclose(lam, (decrease - increase) / (decrease + increase), rel_tol=1e-5)
     )
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(lam)
+
+
+def test_the_first_screen_holds_the_make_commands_the_pitch_the_install_and_the_drop_in():
+    """A TRL user's first 25 lines: the two `make` commands first (compact), then the paper, `pip install` and the
+    drop-in code, whole; its imports name what the package has."""
+    with open(README, encoding="utf-8") as f:
+        first = f.read().splitlines()[:25]
+    text = "\n".join(first)
+    before_the_pitch = first[: next(i for i, line in enumerate(first) if line.startswith("**"))]
+    commands = [line for line in before_the_pitch if line.strip() and not line.startswith("#")]
+    assert [c.split("#")[0].strip() for c in commands] == ["make demo", "make test"]
+    assert "arXiv 2605.11491" in text and "pip install" in text
+    block = re.search(r"```python\n(.*?)\n```", text, re.DOTALL)
+    assert block is not None, "the drop-in code must open and close within the README's first 25 lines"
+    code = block.group(1)
+    assert "from trl import GRPOConfig, GRPOTrainer" in code and "OPEFOTrainer(" in code and "trainer.train()" in code
+    compile(code, "README.md (drop-in)", "exec")
+    imports = "\n".join(line for line in code.splitlines() if line.startswith("from "))
+    exec(compile(imports, "README.md (drop-in imports)", "exec"), {})

@@ -177,7 +177,7 @@ def test_readme_lists_every_recipe_and_launch_mode():
 # ----------------------------------------------------------------------------------------------------------------------
 
 METHOD_METRICS = {
-    "opefo": ["opefo/lambda_applied"],
+    "opefo": ["opefo/weighted_net"],
     "par": ["par/coef", "par/entropy"],
     "clip_cov": ["clip_cov/dropped_frac"],
     "kl_cov": ["kl_cov/penalised_frac"],

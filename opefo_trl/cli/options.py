@@ -47,9 +47,22 @@ INPUT_ERRORS = (ValueError, FileNotFoundError, ImportError)
 
 
 def build_parser(
-    dataclass_types: Iterable[type], *, prog: str, description: str | None = None, epilog: str | None = None
+    dataclass_types: Iterable[type],
+    *,
+    prog: str,
+    description: str | None = None,
+    epilog: str | None = None,
+    groups: Sequence[tuple[str, Iterable[str]]] = (),
+    other_options: str | None = None,
+    usage: str | None = None,
+    renamed: dict[str, str] | None = None,
 ):
-    """A ``TrlParser`` over ``dataclass_types`` that refuses abbreviations and lists ``--config`` in ``--help``."""
+    """A ``TrlParser`` over ``dataclass_types`` that refuses abbreviations and lists ``--config`` in ``--help``.
+
+    ``groups``: (title, option names) listed first by ``--help``, in this order; the other options follow under
+    ``other_options`` (argparse's "options" when None). Parsing is the same. ``usage``: the usage line (argparse's
+    lists every option). ``renamed``: {old name: new name} of options no longer taken, named in the error.
+    """
     from trl import TrlParser
 
     parser = TrlParser(
@@ -57,6 +70,7 @@ def build_parser(
         prog=prog,
         description=description,
         epilog=epilog,
+        usage=usage,
         allow_abbrev=False,
     )
     # Listed for --help only: TrlParser takes `--config PATH` out of the arguments before parsing them.
@@ -66,7 +80,27 @@ def build_parser(
         help="YAML mapping of option: value (plus an optional `env:` mapping of environment variables); "
         "command-line options override it.",
     )
+    _group_help(parser, groups, other_options)
+    parser.renamed_options = dict(renamed or {})  # type: ignore[attr-defined]  # read by _unknown_names_error
     return parser
+
+
+def _group_help(parser, groups: Sequence[tuple[str, Iterable[str]]], other_options: str | None) -> None:
+    """Move the actions of each group's options (every spelling: --name, --kebab-name, --no_name) into an argument
+    group of their own, in the order the group names them, listed by ``--help`` before the rest."""
+    rest = parser._optionals
+    made = []
+    for title, names in groups:
+        order = {name: i for i, name in enumerate(names)}
+        group = parser.add_argument_group(title)
+        moved = [action for action in rest._group_actions if action.dest in order]
+        rest._group_actions[:] = [action for action in rest._group_actions if action.dest not in order]
+        group._group_actions.extend(sorted(moved, key=lambda action: order[action.dest]))  # in the group's order
+        made.append(group)
+    if made:
+        parser._action_groups[:] = [parser._positionals, *made, rest]
+    if other_options is not None:
+        rest.title = other_options
 
 
 def option_names(parser) -> list[str]:
@@ -102,19 +136,23 @@ def _recipe_path(argv: Sequence[str]) -> str | None:
     return argv[argv.index(CONFIG_FLAG) + 1] if CONFIG_FLAG in argv else None
 
 
-def _did_you_mean(names: Sequence[str], known: Sequence[str]) -> str:
+def _did_you_mean(names: Sequence[str], known: Sequence[str], renamed: dict[str, str]) -> str:
     described = []
     for name in names:
+        if name in renamed:
+            described.append(f"{name!r} (renamed: use {renamed[name]!r})")
+            continue
         close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
         hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
         described.append(f"{name!r}{hint}")
     return "; ".join(described)
 
 
-def _unknown_names_error(names: Sequence[str], known: Sequence[str], *, kind: str, where: str, prog: str) -> ValueError:
+def _unknown_names_error(names: Sequence[str], known: Sequence[str], *, kind: str, where: str, parser) -> ValueError:
+    renamed = getattr(parser, "renamed_options", {})
     return ValueError(
-        f"Unknown {kind} {where}: {_did_you_mean(names, known)}. `{prog} --help` lists every option; remove or fix "
-        f"{'it' if len(names) == 1 else 'them'}."
+        f"Unknown {kind} {where}: {_did_you_mean(names, known, renamed)}. `{parser.prog} --help` lists every option; "
+        f"remove or fix {'it' if len(names) == 1 else 'them'}."
     )
 
 
@@ -124,12 +162,12 @@ def _refuse_unknown_names(parser, argv: Sequence[str], recipe_values: dict | Non
     if recipe_values:
         names = [key for key in recipe_values if key != "env" and key not in known]
         if names:
-            raise _unknown_names_error(names, known, kind="key(s)", where=f"in recipe {recipe!r}", prog=parser.prog)
+            raise _unknown_names_error(names, known, kind="key(s)", where=f"in recipe {recipe!r}", parser=parser)
     flags = parser._option_string_actions  # every spelling argparse accepts (--name, --kebab-name, --no_name)
     names = [arg.split("=", 1)[0][2:] for arg in argv if arg.startswith("--") and len(arg) > 2]
     names = [name for name in names if f"--{name}" not in flags]
     if names:
-        raise _unknown_names_error(names, known, kind="option(s)", where="on the command line", prog=parser.prog)
+        raise _unknown_names_error(names, known, kind="option(s)", where="on the command line", parser=parser)
 
 
 # The types of recipe values are checked here: argparse converts command-line strings (and string defaults), not YAML

@@ -3,8 +3,9 @@
 Options come from a recipe YAML (`--config recipe.yaml`) and the command line, which overrides the recipe. They
 are the fields of three dataclasses, all listed by `--help`:
 
-- `TrainScriptArguments` (`opefo_trl.cli.train_arguments`): data set, prompt template, reward functions,
-  context-length check, output folder, metrics file;
+- `TrainScriptArguments` (`opefo_trl.cli.train_arguments`): TRL's `ScriptArguments` (`dataset_name`,
+  `dataset_config`, `dataset_train_split`, ...), then the data's columns, prompt template, reward functions (ours,
+  TRL's by `trl grpo`'s names, or dotted paths), context-length check, output folder, metrics file;
 - `trl.ModelConfig`: model path or hub id, dtype, attention implementation, LoRA / quantisation;
 - `opefo_trl.OPEFOConfig`: every `GRPOConfig` / `TrainingArguments` option plus `method` and its settings.
 
@@ -37,7 +38,7 @@ import sys
 from collections.abc import Sequence
 
 from opefo_trl.cli.options import INPUT_ERRORS, build_parser, parse_options, report_error, show_package_logs
-from opefo_trl.cli.train_arguments import TrainScriptArguments, resolve_reward_funcs
+from opefo_trl.cli.train_arguments import TRL_OVERLONG_SETTINGS, TrainScriptArguments, resolve_reward_funcs
 from opefo_trl.runs import CheckpointSaveError, OutputDirPolicy, RunFolderError
 from opefo_trl.trainer.checks import RewardFunctionError
 
@@ -47,12 +48,19 @@ PROG = "opefo-train"
 
 
 def make_parser():
-    """The parser over (`TrainScriptArguments`, `OPEFOConfig`, `ModelConfig`): see `opefo_trl.cli.options`."""
-    from trl import ModelConfig
+    """The parser over (`TrainScriptArguments`, `OPEFOConfig`, `ModelConfig`): see `opefo_trl.cli.options`. `--help`
+    lists OPEFOConfig's own options first, then the data and reward options, the model's, and GRPOConfig's."""
+    import dataclasses
+
+    from trl import GRPOConfig, ModelConfig
 
     from opefo_trl.methods import TOKEN_METHODS
     from opefo_trl.trainer.config import OPEFOConfig
 
+    def names(cls, without=()):
+        return [f.name for f in dataclasses.fields(cls) if f.init and f.name not in without]
+
+    grpo_options = set(names(GRPOConfig))
     return build_parser(
         (TrainScriptArguments, OPEFOConfig, ModelConfig),
         prog=PROG,
@@ -63,6 +71,17 @@ def make_parser():
             "the recipe. Unknown keys are errors."
         ),
         epilog="Recipes for the OPEFO paper's comparison: recipes/README.md.",
+        groups=(
+            (
+                "OPEFO: the method and the entropy flow (OPEFOConfig's own options)",
+                ["method", *names(OPEFOConfig, grpo_options | {"method"})],
+            ),
+            ("data, prompt and rewards (TRL's ScriptArguments and opefo-train's own)", names(TrainScriptArguments)),
+            ("model (trl.ModelConfig)", names(ModelConfig)),
+        ),
+        other_options="training (GRPOConfig and transformers' TrainingArguments)",
+        usage=f"{PROG} [--config RECIPE_YAML] [--OPTION VALUE ...]",
+        renamed={"dataset_split": "dataset_train_split"},  # TRL's ScriptArguments name
     )
 
 
@@ -119,7 +138,21 @@ def validate_args(script_args, training_args, model_args) -> None:
     elif script_args.dataset_name == "local":
         raise ValueError("dataset_name 'local' needs dataset_files: the local JSON / JSONL / Parquet / CSV files.")
     get_template(script_args.prompt_template)
+    if training_args.eval_strategy != "no":
+        strategy = getattr(training_args.eval_strategy, "value", training_args.eval_strategy)  # TRL's enum, or text
+        raise ValueError(
+            f"eval_strategy={strategy!r}: opefo-train trains without an evaluation set "
+            "(dataset_test_split is not read); set eval_strategy to 'no' and evaluate checkpoints with opefo-eval."
+        )
     resolve_reward_funcs(script_args.reward_funcs)
+    overlong = TRL_OVERLONG_SETTINGS["max_completion_len"]
+    if "get_soft_overlong_punishment" in script_args.reward_funcs and training_args.max_completion_length != overlong:
+        raise ValueError(
+            f"reward 'get_soft_overlong_punishment' is built as `trl grpo` builds it, for max_completion_length="
+            f"{overlong}, not {training_args.max_completion_length}; for another length name your own: a module "
+            "with `overlong = trl.rewards.get_soft_overlong_punishment(max_completion_len=..., soft_punish_cache=...)`"
+            " and `--reward_funcs my_module.overlong`."
+        )
     if training_args.reward_weights is not None and len(training_args.reward_weights) != len(script_args.reward_funcs):
         raise ValueError(
             f"reward_weights has {len(training_args.reward_weights)} entries but reward_funcs has "

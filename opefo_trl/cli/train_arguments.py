@@ -1,6 +1,8 @@
-"""The options of ``opefo-train`` besides ``OPEFOConfig`` and ``trl.ModelConfig``: data set, prompt template, reward
-functions, context-length check, output folder and metrics file (:class:`TrainScriptArguments`), and the reward
-functions ``reward_funcs`` names (:func:`resolve_reward_funcs`).
+"""The options of ``opefo-train`` besides ``OPEFOConfig`` and ``trl.ModelConfig``: TRL's ``ScriptArguments``
+(``dataset_name``, ``dataset_config``, ``dataset_train_split``, ...) as TRL documents them, plus the data set's
+columns, prompt template, reward functions, context-length check, output folder and metrics file
+(:class:`TrainScriptArguments`), and the reward functions ``reward_funcs`` names (:func:`resolve_reward_funcs`: ours,
+TRL's as ``trl grpo`` names them, or a dotted import path).
 """
 
 import importlib
@@ -10,13 +12,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from trl import ScriptArguments
+
 DEFAULT_REWARD = "math_accuracy_reward"
+#: TRL's reward functions by the names `trl grpo --reward_funcs` takes (TRL's scripts/grpo.py).
+TRL_REWARDS = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_soft_overlong_punishment")
+#: What `trl grpo` builds `get_soft_overlong_punishment` with; opefo-train builds the same, so it needs this length.
+TRL_OVERLONG_SETTINGS = dict(max_completion_len=1280, soft_punish_cache=256)
 
 
 @dataclass
-class TrainScriptArguments:
+class TrainScriptArguments(ScriptArguments):
     """Data, prompt, reward and logging options of `opefo-train` (model options: `trl.ModelConfig`; training
-    options: `opefo_trl.OPEFOConfig`).
+    options: `opefo_trl.OPEFOConfig`). TRL's `ScriptArguments` keys mean what they mean in TRL's scripts;
+    `dataset_streaming` and `ignore_bias_buffers` are refused when set (the prompts are checked whole before training;
+    GRPO has no use for the DPO script's buffer fix).
 
     Example:
         >>> TrainScriptArguments(dataset_name="gsm8k", prompt_template="qwen_math_boxed").reward_funcs
@@ -35,7 +45,13 @@ class TrainScriptArguments:
         default=None,
         metadata={"help": "Hub configuration of the data set; default: the preset's (e.g. 'en', 'main')."},
     )
-    dataset_split: str = field(default="train", metadata={"help": "Split to train on."})
+    dataset_test_split: str = field(
+        default="test",
+        metadata={
+            "help": "TRL's evaluation split. opefo-train trains without an evaluation set (eval_strategy must be "
+            "'no'; evaluate checkpoints with opefo-eval), so this split is not read."
+        },
+    )
     dataset_files: list[str] | None = field(
         default=None,
         metadata={
@@ -87,8 +103,10 @@ class TrainScriptArguments:
     reward_funcs: list[str] = field(
         default_factory=lambda: [DEFAULT_REWARD],
         metadata={
-            "help": "Reward functions: 'math_accuracy_reward' (math-verify against the `solution` column) or "
-            "dotted import paths ('my_pkg.rewards.my_reward'). Each is called as TRL calls it, with the completions, "
+            "help": "Reward functions: 'math_accuracy_reward' (math-verify against the `solution` column), TRL's "
+            "'accuracy_reward', 'reasoning_accuracy_reward', 'think_format_reward' and 'get_soft_overlong_punishment' "
+            "(built as `trl grpo` builds it: max_completion_length 1280, cache 256), or dotted import paths "
+            "('my_pkg.rewards.my_reward'). Each is called as TRL calls it, with the completions, "
             "`solution` and the data set's other columns as keyword arguments, each function its own copy. Weights: "
             "`reward_weights`."
         },
@@ -144,10 +162,26 @@ class TrainScriptArguments:
             raise ValueError(f"context_length must be a positive number of tokens, got {self.context_length}.")
         if not self.reward_funcs:
             raise ValueError(f"reward_funcs is empty: give at least one, e.g. {DEFAULT_REWARD!r}.")
+        if self.dataset_streaming:
+            raise ValueError(
+                "dataset_streaming=true: opefo-train reads the whole training set first, to check every prompt "
+                "against the model's context (and to deduplicate and set probe prompts aside); set it to false."
+            )
+        if self.ignore_bias_buffers:
+            raise ValueError(
+                "ignore_bias_buffers=true is TRL's DDP fix for its DPO script; GRPO training does not use it: "
+                "remove it."
+            )
 
 
 def resolve_reward_funcs(names: Sequence[str]) -> list[Callable]:
-    """Reward functions by name ('math_accuracy_reward') or dotted import path; raises naming the one that fails."""
+    """Reward functions by name (ours, 'math_accuracy_reward'; TRL's, :data:`TRL_REWARDS`) or dotted import path;
+    raises naming the one that fails.
+
+    Example:
+        >>> [f.__name__ for f in resolve_reward_funcs(["accuracy_reward", "think_format_reward"])]
+        ['accuracy_reward', 'think_format_reward']
+    """
     funcs = []
     for name in names:
         if name == DEFAULT_REWARD:
@@ -155,10 +189,17 @@ def resolve_reward_funcs(names: Sequence[str]) -> list[Callable]:
 
             funcs.append(math_accuracy_reward)
             continue
+        if name in TRL_REWARDS:
+            import trl.rewards
+
+            func = getattr(trl.rewards, name)
+            funcs.append(func(**TRL_OVERLONG_SETTINGS) if name == "get_soft_overlong_punishment" else func)
+            continue
         module_name, _, attr = name.rpartition(".")
         if not module_name:
+            known = ", ".join(repr(n) for n in (DEFAULT_REWARD, *TRL_REWARDS))
             raise ValueError(
-                f"Unknown reward function {name!r}: use {DEFAULT_REWARD!r} or a dotted import path such as "
+                f"Unknown reward function {name!r}: use one of {known} or a dotted import path such as "
                 "'my_pkg.rewards.my_reward'."
             )
         if os.getcwd() not in sys.path:

@@ -56,7 +56,7 @@ def load_train_dataset(script_args: Any, training_args: Any, model_args: Any, to
     dataset = load_math_dataset(
         script_args.dataset_name,
         template=script_args.prompt_template,
-        split=script_args.dataset_split,
+        split=script_args.dataset_train_split,
         config=script_args.dataset_config,
         data_files=script_args.dataset_files,
         problem_column=script_args.problem_column,

@@ -89,17 +89,36 @@ class OPEFO(TokenMethod):
         ),
     )
 
-    def __init__(self, settings: Settings | None = None, *, flow_estimate: str = "opefo", **values) -> None:
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        *,
+        flow_estimate: str = "opefo",
+        lambda_star_logged: bool = False,
+        **values,
+    ) -> None:
+        """``lambda_star_logged``: the trainer's diagnostics log the lambda* this method would apply, as
+        ``entropy_flow/lambda`` (diagnostics on, one optimizer step per rollout batch); ``opefo/lambda_applied`` is
+        then logged only when the lambda applied is another (``opefo_lambda``, the step balance)."""
         super().__init__(settings, **values)
+        self.logs_applied_lambda = (
+            not lambda_star_logged or self.settings.opefo_lambda is not None or self.settings.opefo_balance == "step"
+        )
         self.step_balance = StepBalance(self.settings)
         self.watch = RegimeWatch(self.settings, flow_estimate)
         self._rollout_metrics: dict[str, float] = {}
+        #: The last rollout batch's lambda*, summed over ranks (what `entropy_flow/lambda` logs, on-policy).
+        self.lambda_star: float | None = None
         #: The last rollout batch, its flow, weights and flow sums, until the regime watch sees them.
         self._watched: tuple[TokenBatch, torch.Tensor, torch.Tensor, FlowStats] | None = None
 
     @classmethod
     def from_config(cls, config) -> OPEFO:
-        return cls(cls.settings_from(config), flow_estimate=config.entropy_flow_estimate)
+        return cls(
+            cls.settings_from(config),
+            flow_estimate=config.entropy_flow_estimate,
+            lambda_star_logged=config.entropy_flow_diagnostics and not off_policy_reasons(config),
+        )
 
     @property
     def balances_the_step(self) -> bool:
@@ -112,19 +131,22 @@ class OPEFO(TokenMethod):
         flow = _flow(batch)
         stats = FlowStats.from_tensor(context.reduce_sum(flow_stats(flow, batch.factor).to_tensor()))
         signs = weight_signs(flow, self.settings.opefo_sides)
-        metrics = {"opefo/lambda": float(stats.lambda_star)}
+        self.lambda_star = float(stats.lambda_star)
+        metrics: dict[str, float] = {}
         if self.settings.opefo_lambda is not None:  # the paper's static-lambda ablation
             lam = float(self.settings.opefo_lambda)
         elif self.settings.opefo_balance == "step":  # this library's: the real next step's entropy change
             lam = self.step_balance.solve(context.step_change(signs), context, metrics)
         else:
-            lam = float(stats.lambda_star)
+            lam = self.lambda_star
         decided = RolloutWeights.affine(lam, signs)
         assert decided.weights is not None  # affine weights
         weighted = FlowStats.from_tensor(
             context.reduce_sum(flow_stats(flow * decided.weights, batch.factor).to_tensor())
         )
-        self._rollout_metrics = {**metrics, "opefo/lambda_applied": lam, "opefo/weighted_net": float(weighted.net)}
+        if self.logs_applied_lambda:  # else it is lambda*, which entropy_flow/lambda logs
+            metrics["opefo/lambda_applied"] = lam
+        self._rollout_metrics = {**metrics, "opefo/weighted_net": float(weighted.net)}
         self._watched = (batch, flow, decided.weights, stats)  # for the regime watch, at the step's end
         return decided
 

@@ -104,8 +104,8 @@ class RegimeWatch:
             f"{int(stats.tokens)}), so "
             f"lambda* = {float(stats.lambda_star):+g} gives every {other} token weight 0: only tokens with zero flow "
             "keep weight 1, and the policy-gradient step is (nearly) empty. This happens when almost every token "
-            "moves entropy the same way (e.g. a batch of mostly EOS or forced tokens). Warned once; opefo/lambda logs "
-            "lambda* every step.",
+            "moves entropy the same way (e.g. a batch of mostly EOS or forced tokens). Warned once; "
+            "entropy_flow/lambda logs lambda* every step (entropy_flow_diagnostics).",
             stacklevel=3,
         )
 

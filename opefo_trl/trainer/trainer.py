@@ -61,6 +61,16 @@ from opefo_trl.trainer.token_weights import ScoringObserver  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
+#: The OPEFO paper's BibTeX entry, as the model card cites it.
+OPEFO_CITATION = """\
+@inproceedings{xu2026opefo,
+    title     = {{Understanding and Preventing Entropy Collapse in RLVR with On-Policy Entropy Flow Optimization}},
+    author    = {Xu and Zhao and Wu and Luu},
+    booktitle = {Findings of the Association for Computational Linguistics: ACL 2026},
+    year      = 2026,
+    eprint    = {arXiv:2605.11491},
+}"""
+
 
 class OPEFOTrainer(GRPOTrainer):
     """A drop-in [`~trl.GRPOTrainer`] whose per-token policy-gradient terms are weighted by a token method.
@@ -81,6 +91,13 @@ class OPEFOTrainer(GRPOTrainer):
 
     _tag_names = ["trl", "grpo", "opefo"]
     _name = "OPEFO"
+    # What TRL's `create_model_card` names and cites (GRPOTrainer's own entry would name DeepSeekMath alone); GRPO's
+    # citation follows OPEFO's, as OPEFO reweights GRPO's loss.
+    _paper = {
+        "title": "Understanding and Preventing Entropy Collapse in RLVR with On-Policy Entropy Flow Optimization",
+        "id": "2605.11491",
+        "citation": OPEFO_CITATION + "\n\n" + GRPOTrainer._paper["citation"],
+    }
     #: An `OPEFOConfig`, or a `GRPOConfig` given every OPEFO option by `with_opefo_settings`.
     args: OPEFOConfig
     #: What TRL's scoring calls inside the hook in progress are handed to, if anything (also while TRL builds).

@@ -90,7 +90,7 @@ def test_precision_stage_runs_the_param_estimate_and_the_audit_floor_through_the
     assert list(param) == ["1", "2"]
     for step in param.values():
         assert 0 <= step["entropy_flow/param_check_error"] < 1
-        assert {"entropy_flow/predicted_delta", "entropy_flow/measured_delta", "opefo/lambda"} <= set(step)
+        assert {"entropy_flow/predicted_delta", "entropy_flow/measured_delta", "entropy_flow/lambda"} <= set(step)
     # Learning rate 0: nothing moves; on a CPU the re-scored entropies are bit-identical.
     for name in ("floor_bf16_autocast", "floor_bf16_weights"):
         assert [m["entropy_flow/measured_delta"] for m in runs[name]["metrics"].values()] == [0.0, 0.0], name

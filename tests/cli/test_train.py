@@ -111,9 +111,29 @@ def test_help_lists_every_option_group(capsys):
         "--num_generations",
         "--steps_per_generation",
         "--resume_from_checkpoint",
+        "--dataset_train_split",
+        "--dataset_streaming",  # TRL's ScriptArguments
     ):  # GRPOConfig
         assert option in out, option
     assert "--config RECIPE_YAML" in out
+    # OPEFO's options first, `method` leading; then the data and rewards, the model, the rest of GRPOConfig.
+    headers = [
+        "OPEFO: the method and the entropy flow",
+        "data, prompt and rewards (TRL's ScriptArguments",
+        "model (trl.ModelConfig)",
+        "training (GRPOConfig and transformers' TrainingArguments)",
+    ]
+    lines = out.splitlines()
+    starts = [next(i for i, line in enumerate(lines) if line.startswith(header)) for header in headers]
+    assert starts == sorted(starts) and starts[0] < 12 and lines[starts[0] + 1].startswith("  --method ")
+    for option, group in (
+        ("--opefo_lambda", 0),
+        ("--dataset_train_split", 1),
+        ("--lora_r", 2),
+        ("--num_generations", 3),
+    ):
+        at = next(i for i, line in enumerate(lines) if line.startswith(f"  {option} "))
+        assert starts[group] < at < (starts + [len(lines)])[group + 1], option
 
 
 def test_recipe_values_and_cli_overrides(tiny_model_path):
@@ -247,6 +267,12 @@ def _cli_error(err: str) -> str:
         (["--resume_from_checkpoint", "true"], ValueError, "has no checkpoint-<step> folder"),
         (["--resume_from_checkpoint", "/no/such/checkpoint-5"], FileNotFoundError, "is not a directory"),
         (["--dataset_name", "my/hub-set"], ValueError, "set `problem_column` and `answer_column`"),
+        # TRL's ScriptArguments keys that opefo-train does not model, and the name they replaced.
+        (["--dataset_split", "train"], ValueError, "'dataset_split' (renamed: use 'dataset_train_split')"),
+        (["--dataset_streaming", "true"], ValueError, "dataset_streaming=true: opefo-train reads the whole training"),
+        (["--ignore_bias_buffers", "true"], ValueError, "ignore_bias_buffers=true is TRL's DDP fix for its DPO"),
+        (["--eval_strategy", "steps"], ValueError, "eval_strategy='steps': opefo-train trains without an evaluation"),
+        (["--reward_funcs", "get_soft_overlong_punishment"], ValueError, "for max_completion_length=1280, not 8"),
         # Values TRL accepts that would fail only after the model loaded (first generation or optimizer step).
         (["--learning_rate", "-1"], ValueError, "learning_rate=-1.0: the learning rate must be >= 0 (e.g. 1e-6)"),
         (["--max_completion_length", "0"], ValueError, "max_completion_length=0: completions need at least 1 token"),
@@ -369,6 +395,62 @@ def test_missing_model_is_a_clear_error(problems_file, tmp_path):
 # ----------------------------------------------------------------------------------------------------------------------
 # Training through the entry point
 # ----------------------------------------------------------------------------------------------------------------------
+
+
+TRL_GRPO_RECIPE = """\
+# The shape of a recipe for TRL's `trl grpo` (scripts/grpo.py): TRL's ScriptArguments keys and reward names.
+model_name_or_path: {model}
+dataset_name: {data}
+dataset_config: null
+dataset_train_split: validation
+dataset_test_split: test
+dataset_streaming: false
+reward_funcs:
+  - accuracy_reward
+  - think_format_reward
+  - opefo_cli_test_rewards.digit_overlap_reward
+output_dir: {out}
+max_completion_length: 8
+num_generations: 2
+per_device_train_batch_size: 4
+gradient_accumulation_steps: 2
+max_steps: 1
+use_cpu: true
+bf16: false
+report_to: none
+# opefo-train's own: the columns of a data set that is not one of its presets
+problem_column: prompt
+answer_column: solution
+"""
+
+
+def test_trls_script_argument_and_reward_names_train_on_the_split_they_name(
+    tiny_model_path, write_jsonl, tmp_path, reward_module
+):
+    """A TRL-shaped recipe: the data set directory's `validation` split (dataset_train_split) is the one trained on,
+    and TRL's reward functions are logged under their own names."""
+    data = tmp_path / "arithmetic"
+    data.mkdir()
+    splits = {
+        "train": [{"prompt": f"What is {i} + 1?", "solution": str(i + 1)} for i in range(8)],
+        "validation": [{"prompt": f"What is {i} + 50?", "solution": str(i + 50)} for i in range(8)],
+        "test": [{"prompt": f"What is {i} + 90?", "solution": str(i + 90)} for i in range(8)],
+    }
+    for split, rows in splits.items():
+        write_jsonl(data / f"{split}.jsonl", rows)
+    out = tmp_path / "out"
+    recipe = tmp_path / "trl_grpo.yaml"
+    recipe.write_text(TRL_GRPO_RECIPE.format(model=tiny_model_path, data=data, out=out))
+    assert main(["--config", str(recipe)]) == 0
+    assert reward_module.SEEN_SOLUTIONS and set(reward_module.SEEN_SOLUTIONS) <= {
+        r["solution"] for r in splits["validation"]
+    }
+    (step,) = [m for m in _metrics(out) if "reward" in m]
+    assert 0.0 <= step["rewards/accuracy_reward/mean"] <= 1.0 and step["rewards/think_format_reward/mean"] == 0.0
+    total = sum(
+        step[f"rewards/{name}/mean"] for name in ("accuracy_reward", "think_format_reward", "digit_overlap_reward")
+    )
+    assert step["reward"] == pytest.approx(total)
 
 
 def test_trains_with_both_rewards_and_writes_metrics(tiny_model_path, problems_file, tmp_path, reward_module):
@@ -1170,7 +1252,7 @@ def test_probe_prompts_are_set_aside_from_training_and_sampled_as_the_fixed_prob
     assert main(argv) == 0
     gold = [str(i + 2 + 3 * i + 1) for i in range(16)]
     assert set(reward_module.SEEN_SOLUTIONS) == set(gold[:12])
-    assert all(-1.0 < m["opefo/lambda"] < 1.0 for m in _metrics(out) if "opefo/lambda" in m)
+    assert all(-1.0 < m["entropy_flow/lambda"] < 1.0 for m in _metrics(out) if "entropy_flow/lambda" in m)
 
 
 @pytest.mark.parametrize(

@@ -28,5 +28,27 @@ def test_reward_functions_by_dotted_path_and_the_one_that_fails_is_named(tmp_pat
     assert length(["a", "b"]) == [1.0, 1.0]
     with pytest.raises(ValueError, match=r"Module 'my_rewards' has no callable 'missing' \(reward function"):
         resolve_reward_funcs(["my_rewards.length", "my_rewards.missing"])
-    with pytest.raises(ValueError, match="Unknown reward function 'accuracy': use 'math_accuracy_reward' or a dotted"):
+    with pytest.raises(ValueError, match="Unknown reward function 'accuracy': use one of 'math_accuracy_reward', "):
         resolve_reward_funcs(["accuracy"])
+
+
+def test_trls_reward_names_are_trls_functions_and_the_overlong_one_is_built_as_trl_grpo_builds_it():
+    import trl.rewards
+
+    accuracy, think, overlong = resolve_reward_funcs(
+        ["accuracy_reward", "think_format_reward", "get_soft_overlong_punishment"]
+    )
+    assert accuracy is trl.rewards.accuracy_reward and think is trl.rewards.think_format_reward
+    # trl grpo's (1280, 256): no penalty up to 1280 - 256 tokens, -1 at 1280.
+    assert overlong([[1] * 1024, [1] * 1152, [1] * 1280]) == pytest.approx([0.0, -0.5, -1.0])
+
+
+def test_trls_script_arguments_are_the_base_and_what_opefo_train_cannot_do_is_refused():
+    from trl import ScriptArguments
+
+    args = TrainScriptArguments(dataset_train_split="validation")
+    assert isinstance(args, ScriptArguments) and args.dataset_train_split == "validation"
+    with pytest.raises(ValueError, match="dataset_streaming=true: opefo-train reads the whole training set first"):
+        TrainScriptArguments(dataset_streaming=True)
+    with pytest.raises(ValueError, match="ignore_bias_buffers=true is TRL's DDP fix"):
+        TrainScriptArguments(ignore_bias_buffers=True)

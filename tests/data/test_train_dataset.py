@@ -15,7 +15,7 @@ def _options(model_path, problems_file, **script):
     script_args = SimpleNamespace(
         dataset_name="local",
         prompt_template="plain",
-        dataset_split="train",
+        dataset_train_split="train",
         dataset_config=None,
         dataset_files=[problems_file],
         problem_column="prompt",

@@ -18,13 +18,38 @@ def test_opefo_rollout_weights_balance_the_flow_and_report_metrics():
     stats = flow_stats(batch.flow, batch.factor)
     method.on_optimizer_step()
     metrics = method.pop_metrics()
-    assert metrics["opefo/lambda"] == pytest.approx(stats.lambda_star.item())
-    assert metrics["opefo/lambda_applied"] == pytest.approx(stats.lambda_star.item())
+    assert method.lambda_star == pytest.approx(stats.lambda_star.item())
+    assert metrics["opefo/lambda_applied"] == pytest.approx(stats.lambda_star.item())  # nothing else logs lambda*
     assert abs(metrics["opefo/weighted_net"]) < 1e-5 * (stats.increase + stats.decrease).item()
     assert not any(name.startswith("entropy_flow/") for name in metrics)  # the diagnostics' prefix is not OPEFO's
     assert weights.shape == batch.logps.shape
     method.on_optimizer_step()  # a second optimizer step on the same rollout batch (off-policy opt-in) logs it too
     assert method.pop_metrics() == metrics
+
+
+@pytest.mark.parametrize(
+    "settings, logged",
+    [(dict(), False), (dict(opefo_lambda=0.001), True), (dict(entropy_flow_diagnostics=False), True)],
+    ids=["lambda_star", "static_lambda", "no_diagnostics"],
+)
+def test_the_lambda_applied_is_logged_once_under_one_name(settings, logged):
+    """In a trainer on-policy with the diagnostics, entropy_flow/lambda logs the lambda* OPEFO applies, so OPEFO logs
+    its lambda only when it is another (a fixed lambda) or nothing else logs it (diagnostics off); off-policy the step's
+    lambda* is not the rollout batch's, so it is logged too."""
+    from opefo_trl import OPEFOConfig
+
+    common = dict(output_dir="unused", use_cpu=True, bf16=False, report_to="none")
+    for config, expected in [
+        (OPEFOConfig(**common, **settings), logged),
+        (OPEFOConfig(**common, **settings, num_iterations=2, allow_off_policy=True), True),
+    ]:
+        method = OPEFO.from_config(config)
+        decided = method.rollout_weights(random_batch(seed=6))
+        method.on_optimizer_step()
+        metrics = method.pop_metrics()
+        assert ("opefo/lambda_applied" in metrics) is expected
+        assert metrics.get("opefo/lambda_applied", decided.lam) == decided.lam
+        assert "opefo/lambda" not in metrics and "opefo/weighted_net" in metrics
 
 
 def test_opefo_balances_the_factor_weighted_flow():

@@ -84,7 +84,8 @@ def main(
                 factor=batch.factor,
                 logps=batch.logps,
                 weights=decided.weights,
-                **trainer.token_method._rollout_metrics,
+                lambda_star=trainer.token_method.lambda_star,
+                lambda_applied=decided.lam,
             )
         )
         return decided

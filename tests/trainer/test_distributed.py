@@ -65,7 +65,7 @@ def test_lambda_star_is_reduced_over_ranks(warm_model_path, tmp_path, accumulati
         assert (
             not torch.equal(local[0]["logps"], local[1]["logps"]) or local[0]["logps"].shape != local[1]["logps"].shape
         )
-        assert local[0]["opefo/lambda"] == local[1]["opefo/lambda"]
+        assert local[0]["lambda_star"] == local[1]["lambda_star"] == local[0]["lambda_applied"]
         factors = [_expected_factor(b["micro_batches"], loss_type) for b in local]
         if loss_type != "dapo":
             assert len(torch.cat([f[f > 0] for f in factors]).unique()) > 1, "the factor should vary"
@@ -76,7 +76,7 @@ def test_lambda_star_is_reduced_over_ranks(warm_model_path, tmp_path, accumulati
         single = flow_stats(union, factor).lambda_star.item()
         # The trainer's f_t is float32: each token's is off by at most 2^-24 relative, which moves P and N by as
         # much and lambda* = (N - P) / (N + P) by at most 4 P N / (N + P)^2 * 2^-24 <= 2^-24.
-        assert local[0]["opefo/lambda"] == pytest.approx(single, rel=0, abs=2**-24)
+        assert local[0]["lambda_star"] == pytest.approx(single, rel=0, abs=2**-24)
         per_rank = [flow_stats(b["flow"], f).lambda_star.item() for b, f in zip(local, factors, strict=True)]
         assert any(abs(p - single) > 1e-6 for p in per_rank), "a per-rank lambda* would have been the same"
         if loss_type != "dapo":  # the factor matters: the mask alone gives another lambda*
@@ -112,7 +112,7 @@ def test_param_lambda_of_two_ranks_is_the_single_process_one(
 
     ranks = _run_two_ranks(tiny_model_path, tmp_path, "1", "param", balance, dtype="float64")
     first = [ranks[r][0] for r in range(2)]
-    for key in ("opefo/lambda", "opefo/lambda_applied"):
+    for key in ("lambda_star", "lambda_applied"):
         assert first[0][key] == first[1][key], key
     torch.testing.assert_close(first[0]["weights"].unique(), first[1]["weights"].unique(), rtol=0, atol=0)
     args = OPEFOConfig(
@@ -133,6 +133,9 @@ def test_param_lambda_of_two_ranks_is_the_single_process_one(
     padded = [_pad_to(b, prompt, completion, trainer.processing_class.pad_token_id) for b in micro_batches]
     union = {key: torch.cat([b[key] for b in padded]) for key in padded[0] if key != "num_items_in_batch"}
     union["num_items_in_batch"] = padded[0]["num_items_in_batch"]
+    decided = []
+    rollout_weights = trainer.token_method.rollout_weights
+    trainer.token_method.rollout_weights = lambda *args: decided.append(rollout_weights(*args)) or decided[-1]
     trainer.rollout.weigh([union])
     single = union[STATE_KEY].unit_flow.double()
     row = 0
@@ -142,11 +145,11 @@ def test_param_lambda_of_two_ranks_is_the_single_process_one(
         ours, theirs = single[row : row + rows, :length][mask], batch["unit_flow"].double()[mask]
         torch.testing.assert_close(theirs, ours, rtol=2**-23, atol=0)
         row += rows
-    metrics = trainer.token_method._rollout_metrics
-    assert metrics["opefo/lambda"] == pytest.approx(first[0]["opefo/lambda"], abs=1e-7)
-    assert metrics["opefo/lambda_applied"] == pytest.approx(first[0]["opefo/lambda_applied"], abs=1e-7)
+    method = trainer.token_method
+    assert method.lambda_star == pytest.approx(first[0]["lambda_star"], abs=1e-7)
+    assert decided[0].lam == pytest.approx(first[0]["lambda_applied"], abs=1e-7)
     if balance == "step":
-        assert metrics["opefo/lambda_applied"] != pytest.approx(metrics["opefo/lambda"], abs=1e-3)
+        assert decided[0].lam != pytest.approx(method.lambda_star, abs=1e-3)
 
 
 def test_the_fixed_probe_is_counted_once_over_two_ranks(tiny_model_path, tmp_path):

@@ -38,7 +38,7 @@ def test_lambda_star_from_generation_is_the_scoring_pass_one(tiny_model_path, ti
     assert len(rollouts) == 2 and all(captured is not None for _, captured in rollouts)  # no scoring pass of ours
     reference, reference_rollouts = _run(*common, from_generation=False)
     assert all(captured is None for _, captured in reference_rollouts)
-    lam, lam_reference = logged(ours, "opefo/lambda"), logged(reference, "opefo/lambda")
+    lam, lam_reference = logged(ours, "entropy_flow/lambda"), logged(reference, "entropy_flow/lambda")
     assert lam == pytest.approx(lam_reference, abs=1e-5), (lam, lam_reference)
     assert min(abs(x) for x in lam) > 1e-3
 

@@ -66,7 +66,7 @@ def test_the_written_gradient_is_the_one_trls_own_pass_computes(
     for ours, theirs in zip(written, trl, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5 * scale)
     logs = {writes: trainer.state.log_history[0] for writes, (trainer, _) in runs.items()}
-    assert logs[True]["opefo/lambda_applied"] == logs[False]["opefo/lambda_applied"] != 0
+    assert logs[True]["entropy_flow/lambda"] == logs[False]["entropy_flow/lambda"] != 0
     assert logs[True]["loss"] == pytest.approx(logs[False]["loss"], rel=1e-5, abs=1e-9)  # TRL's metrics still logged
     assert logs[True]["entropy"] == pytest.approx(logs[False]["entropy"], rel=1e-5)
     # TRL's training pass (one forward per micro-batch) is not run.
@@ -112,7 +112,7 @@ def test_the_written_gradient_carries_the_vllm_importance_ratio(
     scale = max(float(g.abs().max()) for g in trl)
     for ours, theirs in zip(written, trl, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5 * scale)
-    assert runs[True][0].state.log_history[0]["opefo/lambda_applied"] != 0
+    assert runs[True][0].state.log_history[0]["entropy_flow/lambda"] != 0
 
 
 @pytest.mark.parametrize(

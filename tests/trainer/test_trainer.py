@@ -21,7 +21,7 @@ FLOW_METRICS = [
     "entropy_flow/increase_token_frac",
     "entropy_flow/decrease_token_frac",
 ]
-OPEFO_METRICS = ["opefo/lambda", "opefo/lambda_applied", "opefo/weighted_net"]
+OPEFO_METRICS = ["opefo/weighted_net"]  # and opefo/lambda_applied where the lambda applied is not lambda*
 
 
 @pytest.fixture
@@ -51,6 +51,30 @@ def _assert_balanced(trainer):
         assert abs(weighted_net) <= 1e-5 * (inc + dec)
 
 
+OUR_PREFIXES = ("entropy_flow", "opefo", "par", "clip_cov", "kl_cov", "steer", "stare", "ce_gppo")
+METRICS_DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "metrics.md")
+
+
+def _assert_documented(trainer):
+    """Every key of this library's that the run logged is a row of docs/metrics.md's table."""
+    with open(METRICS_DOC, encoding="utf-8") as f:
+        table = f.read()
+    ours = {name for entry in trainer.state.log_history for name in entry if name.split("/")[0] in OUR_PREFIXES}
+    assert ours and not {name for name in ours if f"| `{name}`" not in table and f", `{name}`" not in table}
+
+
+def _assert_one_name_per_value(trainer):
+    """No key of this library's logs the same per-step values as another logged key (TRL's or ours): one value, one
+    name. Series constant over the steps (e.g. 1.0, 1.0) can agree by chance and are skipped."""
+    series = {name: logged(trainer, name) for entry in trainer.state.log_history for name in entry}
+    for name, values in series.items():
+        if name.split("/")[0] not in ("entropy_flow", "opefo") or len(set(values)) == 1:
+            continue
+        for other, others in series.items():
+            if other != name and len(others) == len(values):
+                assert others != pytest.approx(values, rel=1e-6, abs=0), f"{name} and {other} log the same values"
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -69,8 +93,10 @@ def test_opefo_trains_in_grpo_configurations_and_logs_flow_metrics(train, tmp_pa
     trainer = train(make_config(tmp_path, **overrides))
     for name in FLOW_METRICS + OPEFO_METRICS + ["loss", "entropy", "reward"]:
         assert len(logged(trainer, name)) == 2, f"{name} missing from log_history"
-    assert logged(trainer, "opefo/lambda") == pytest.approx(logged(trainer, "entropy_flow/lambda"))
+    assert not logged(trainer, "opefo/lambda_applied")  # the lambda* entropy_flow/lambda logs
     _assert_balanced(trainer)
+    _assert_one_name_per_value(trainer)
+    _assert_documented(trainer)
     if "beta" in overrides:
         assert len(logged(trainer, "kl")) == 2
     if overrides.get("entropy_flow_estimate") == "param":
@@ -103,7 +129,7 @@ def test_opefo_trains_with_lora(train, tmp_path, overrides):
 
     trainer = train(make_config(tmp_path, **overrides), setup=record_frozen, peft_config=peft_config)
     # Every optimizer step logs the flow, also the second update on the same rollout batch (num_iterations=2).
-    assert len(logged(trainer, "entropy_flow/lambda")) == len(logged(trainer, "opefo/lambda")) == 2
+    assert len(logged(trainer, "entropy_flow/lambda")) == len(logged(trainer, "opefo/weighted_net")) == 2
     trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora" in n for n in trainable)
     if overrides.get("entropy_flow_estimate") == "param":
@@ -179,6 +205,7 @@ def test_every_method_trains_and_logs_its_metrics_every_step(train, tmp_path, me
     trainer = train(make_config(tmp_path, method=method, **overrides))
     for name in expected:
         assert len(logged(trainer, name)) == 2, f"{name} not logged on every step of method={method}"
+    _assert_documented(trainer)
     if method == "clip_cov":
         assert all(0 < v < 0.05 for v in logged(trainer, "clip_cov/dropped_frac"))
 
@@ -206,8 +233,8 @@ def test_a_constant_par_coefficient_weights_every_positive_token_by_it(train, tm
 def test_diagnostics_switched_off_log_no_entropy_flow_metrics(train, tmp_path, method):
     trainer = train(make_config(tmp_path, method=method, entropy_flow_diagnostics=False))
     assert not any(name.startswith("entropy_flow/") for entry in trainer.state.log_history for name in entry)
-    if method == "opefo":  # OPEFO's own lambda* keeps its own prefix
-        assert all(len(logged(trainer, name)) == 2 for name in OPEFO_METRICS)
+    if method == "opefo":  # the lambda OPEFO applies keeps its own prefix
+        assert all(len(logged(trainer, name)) == 2 for name in OPEFO_METRICS + ["opefo/lambda_applied"])
 
 
 @pytest.mark.numerics
@@ -293,7 +320,7 @@ def test_lambda_star_balances_the_flow_of_the_tokens_trl_keeps_under_an_entropy_
     assert len(nets) == 3
     for optimizer_step, net in nets.items():
         assert abs(net) <= 1e-5 * grosses[optimizer_step], (optimizer_step, net, grosses[optimizer_step])
-    assert any(abs(x) > 0 for x in logged(trainer, "opefo/lambda"))
+    assert any(abs(x) > 0 for x in logged(trainer, "entropy_flow/lambda"))
 
 
 @pytest.fixture
@@ -369,7 +396,7 @@ def test_lambda_star_balances_the_importance_weighted_flow_trl_applies(
         kept = factor[:, 0] > 0
         assert (~kept).any()
         alone = flow_stats((original * unit)[kept], factor[kept]).lambda_star.item()
-        assert logged(trainer, "opefo/lambda")[step] == pytest.approx(alone, rel=1e-6, abs=1e-9)
+        assert logged(trainer, "entropy_flow/lambda")[step] == pytest.approx(alone, rel=1e-6, abs=1e-9)
         everyone = flow_stats(original * unit, torch.cat([p["mask"] for p in parts])).lambda_star.item()
         assert everyone != pytest.approx(alone, rel=1e-3)
 
@@ -424,7 +451,20 @@ def test_a_users_grpo_config_is_kept_as_it_is(tiny_model_path, tiny_dataset, len
     assert args.method == "opefo" and args.entropy_flow_estimate == "opefo" and args.opefo_lambda is None
     trainer.train()
     assert read == ["kept"]
-    assert logged(trainer, "opefo/lambda") and logged(trainer, "entropy_flow/lambda")
+    assert logged(trainer, "opefo/weighted_net") and logged(trainer, "entropy_flow/lambda")
+
+
+def test_the_model_card_names_and_cites_the_opefo_paper(tiny_model_path, tiny_dataset, length_reward, tmp_path):
+    """The card TRL writes on `save_model` / `push_to_hub` says which method trained the model and cites its paper,
+    then GRPO's (GRPOTrainer's own entry names DeepSeekMath alone)."""
+    trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path))
+    trainer.create_model_card(model_name="tiny-opefo", dataset_name="tiny/arithmetic")
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "This model was trained with OPEFO, a method introduced in [Understanding and Preventing Entropy " in card
+    assert "(https://huggingface.co/papers/2605.11491)" in card
+    assert "- opefo" in card  # the hub tag, beside trl and grpo
+    opefo_entry, grpo_entry = card.index("eprint    = {arXiv:2605.11491}"), card.index("arXiv:2402.03300")
+    assert card.index("Cite OPEFO as:") < opefo_entry < grpo_entry < card.index("Cite TRL as:")
 
 
 def test_an_off_policy_grpo_config_is_refused_with_a_fix_that_works_for_it(
@@ -453,7 +493,7 @@ def test_the_hidden_state_hook_lives_only_during_the_forward_that_needs_it(train
             tmp_path, entropy_flow_estimate="full", gradient_accumulation_steps=2, per_device_train_batch_size=4
         )
     )
-    assert logged(trainer, "opefo/lambda")
+    assert logged(trainer, "entropy_flow/lambda")
     assert not trainer.scorer.core().base_model._forward_hooks
 
 
@@ -535,7 +575,7 @@ def test_every_micro_batch_gets_the_weights_exactly_once(
 
     def record_lambda(rollout_weights, batch, context):
         weights = rollout_weights(batch, context)
-        lambdas.append(trainer.token_method._rollout_metrics["opefo/lambda_applied"])
+        lambdas.append(weights.lam)
         return weights
 
     args = make_config(tmp_path, max_steps=4, **overrides)
@@ -581,7 +621,7 @@ def test_the_regime_guard_warns_once_when_lambda_stays_large(train, tmp_path):
         trainer = train(make_config(tmp_path, max_steps=21, opefo_lambda_warn=1e-9))
     guard = [w for w in caught if "averaged over the last 20 optimizer steps" in str(w.message)]
     assert len(guard) == 1 and "entropy_flow_estimate='param'" in str(guard[0].message)
-    assert len(logged(trainer, "opefo/lambda")) == 21
+    assert len(logged(trainer, "entropy_flow/lambda")) == 21
 
 
 def test_the_audit_measures_the_entropy_change_of_the_audited_steps_only(train, tmp_path):
@@ -724,9 +764,9 @@ def test_param_under_bf16_autocast_gives_the_float32_lambda_star(
     bf16.current_gradient_accumulation_steps = 2
     with torch.autocast("cpu", dtype=torch.bfloat16):  # as inside a training step under bf16 mixed precision
         bf16.rollout.weigh([dict(b) for b in batches])
-    ours, reference = bf16.token_method._rollout_metrics, fp32.token_method._rollout_metrics
-    assert ours["opefo/lambda"] == pytest.approx(reference["opefo/lambda"], rel=1e-3)
-    assert ours["opefo/lambda"] != 0.0
+    ours, reference = bf16.token_method.lambda_star, fp32.token_method.lambda_star
+    assert ours == pytest.approx(reference, rel=1e-3)
+    assert ours != 0.0
 
 
 def test_param_refuses_weights_and_optimizers_it_cannot_model(tiny_model_path, tiny_dataset, length_reward, tmp_path):

@@ -136,7 +136,7 @@ def test_opefo_zero3_two_processes_lambda_checkpoint_resume(tmp_path, tiny_model
     lambdas = [m["entropy_flow/lambda"] for m in rank0]
     assert lambdas == [m["entropy_flow/lambda"] for m in rank1]  # bit-identical: computed from all-reduced sums
     assert any(lam != 0.0 for lam in lambdas) and all(-1.0 < lam < 1.0 for lam in lambdas)
-    assert [m["opefo/lambda_applied"] for m in rank0] == lambdas
+    assert all("opefo/lambda_applied" not in m for m in rank0)  # the lambda applied is lambda*, logged above
     for m in rank0:
         assert "rewards/digit_overlap_reward/mean" in m and m["rewards/math_accuracy_reward/failures"] == 0
 
