@@ -54,3 +54,16 @@ def test_the_first_screen_holds_the_make_commands_the_pitch_the_install_and_the_
     compile(code, "README.md (drop-in)", "exec")
     imports = "\n".join(line for line in code.splitlines() if line.startswith("from "))
     exec(compile(imports, "README.md (drop-in imports)", "exec"), {})
+
+
+def test_the_readme_names_the_pinned_versions_the_tests_install():
+    """The README's tested versions are those `make install` pins (constraints.txt), so the two cannot drift."""
+    root = os.path.join(os.path.dirname(__file__), "..")
+    with open(os.path.join(root, "constraints.txt"), encoding="utf-8") as f:
+        pins = dict(line.strip().split("==") for line in f if "==" in line and not line.startswith("#"))
+    with open(README, encoding="utf-8") as f:
+        tested = f.read().split("Tested versions", 1)[1].split("\n\n", 1)[0]
+    names = {"TRL": "trl", "transformers": "transformers", "accelerate": "accelerate", "datasets": "datasets",
+             "DeepSpeed": "deepspeed", "PEFT": "peft", "math-verify": "math-verify"}  # fmt: skip
+    for shown, package in names.items():
+        assert f"{shown} {pins[package]}" in " ".join(tested.split()), (shown, pins[package])
