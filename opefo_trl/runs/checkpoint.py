@@ -324,11 +324,15 @@ def check_steps_left(checkpoint: str, planned_steps: int) -> None:
     Trainer would train one more step and save its model over the finished run's final model."""
     step = checkpoint_step(checkpoint)
     if step >= planned_steps:
+        run = os.path.dirname(os.path.normpath(checkpoint))
+        if any(WEIGHTS_RE.match(n) for n in os.listdir(run)):
+            final_model = f"its final model in {run} is left as it is"
+        else:  # stopped before its final model was saved: the checkpoint of the last step holds the same weights
+            final_model = f"{run} holds no final model, and {checkpoint} holds the weights of its step {step}"
         raise CheckpointError(
             f"Nothing to resume: {checkpoint} is at step {step}, and this run trains {planned_steps} step(s) "
-            "(max_steps, or num_train_epochs over the data), so it has finished; its final model is left as it is (if "
-            f"a run was stopped while saving it, {checkpoint} holds the same weights). To train further, raise "
-            "max_steps or num_train_epochs."
+            f"(max_steps, or num_train_epochs over the data), so it has finished; {final_model}. To train further, "
+            "raise max_steps or num_train_epochs."
         )
 
 

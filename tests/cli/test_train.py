@@ -1338,6 +1338,78 @@ def test_a_resume_of_a_finished_run_trains_nothing_and_keeps_its_final_model(
     assert (killed_dir / "metrics.jsonl").read_text() == metrics and snapshot(killed_dir / "checkpoint-2") == checkpoint
 
 
+KILLED_MID_MOVE = """
+import os, signal, sys
+
+import opefo_trl.runs.folder as folder
+
+original = folder.remove_entry
+moving = []
+
+
+def killed_after_the_first_file_moved(path):
+    staged = os.path.join(os.path.dirname(path), ".opefo_final_model", os.path.basename(path))
+    if os.path.exists(staged):  # about to move this file of the saved final model into place
+        moving.append(path)
+        if len(moving) == 2:  # one file is in place, the others still staged: the signal the test names
+            os.kill(os.getpid(), getattr(signal, os.environ["OPEFO_KILL_SIGNAL"]))
+    original(path)
+
+
+folder.remove_entry = killed_after_the_first_file_moved
+from opefo_trl.cli.train import main
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize(
+    "save, signal_name, resume",
+    [("no", "SIGKILL", False), ("steps", "SIGKILL", True), ("no", "SIGTERM", True), ("steps", "SIGHUP", False)],
+)
+def test_a_final_model_whose_move_was_killed_is_moved_into_place_by_the_next_command(
+    save, signal_name, resume, tiny_model_path, problems_file, tmp_path, reward_module, caplog, capsys
+):
+    """B: a run killed while moving its saved final model into place left the whole model staged in
+    .opefo_final_model, and the next command (refused, as a rerun or a resume) deleted it: the only copy of the
+    training when no checkpoint was saved. Now the next command moves it into place, and says so."""
+    import signal
+
+    from opefo_trl.runs import FINAL_MODEL_STAGING, read_manifest, run_files
+
+    out = tmp_path / "out"
+    reward = ["--reward_funcs", "opefo_cli_test_rewards.digit_overlap_reward"]
+    saving = ["--save_strategy", "no"] if save == "no" else ["--save_steps", "1"]
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(out), max_steps=2), *reward]
+    killed = _start(
+        tmp_path / "..", [*argv, *saving], KILLED_MID_MOVE, PYTHONPATH=str(tmp_path), OPEFO_KILL_SIGNAL=signal_name
+    )
+    output = killed.communicate(timeout=600)[0].decode()
+    assert killed.returncode == -getattr(signal, signal_name), output[-3000:]
+    staging = out / FINAL_MODEL_STAGING
+    staged = {n: (staging / n).read_bytes() for n in os.listdir(staging) if not n.startswith(".")}
+    run_own = ("metrics.jsonl", "README.md")  # README.md: the model card each checkpoint save writes
+    named = [n for n in read_manifest(str(out)) if n not in run_own and not n.startswith("checkpoint-")]
+    in_place = {n: (out / n).read_bytes() for n in named if (out / n).exists()}
+    assert len(in_place) == 1 and set(named) == {*staged, *in_place}  # killed half way through the move
+    assert "model.safetensors" in staged
+    final_model = {**staged, **in_place}
+
+    with caplog.at_level("WARNING"):
+        assert main([*argv, *saving, *(["--resume_from_checkpoint", "true"] if resume else [])]) == 2
+    err = capsys.readouterr().err
+    assert {n: (out / n).read_bytes() for n in final_model if (out / n).exists()} == final_model  # byte for byte
+    assert not staging.exists() and set(final_model) <= set(run_files(str(out)))
+    assert f"its whole final model ({', '.join(sorted(staged))}) is now in {out}" in caplog.text
+    if save == "steps" and resume:
+        assert f"Nothing to resume: {out / 'checkpoint-2'} is at step 2" in err
+        assert f"its final model in {out} is left as it is" in err
+    elif resume:
+        assert "opefo-train: error: " in err and "Traceback" not in err
+    else:
+        assert f"opefo-train: error: output_dir '{out}' holds an earlier run (" in err and "model.safetensors" in err
+
+
 def test_a_resume_with_options_the_checkpoint_would_override_is_refused_and_others_are_said(
     tiny_model_path, problems_file, tmp_path, reward_module, capsys, caplog, snapshot
 ):
