@@ -1410,6 +1410,45 @@ def test_a_final_model_whose_move_was_killed_is_moved_into_place_by_the_next_com
         assert f"opefo-train: error: output_dir '{out}' holds an earlier run (" in err and "model.safetensors" in err
 
 
+def test_files_a_user_put_inside_a_checkpoint_are_never_deleted_unsaid(
+    tiny_model_path, problems_file, tmp_path, reward_module, capsys, caplog, snapshot
+):
+    """A: an overwrite, a resume that saves a step again, and save_total_limit deleted the user's files inside a
+    checkpoint (an `opefo-eval -o run/checkpoint-1/eval` store, a note), exit 0 and nothing said."""
+    out = tmp_path / "out"
+    reward = ["--reward_funcs", "opefo_cli_test_rewards.digit_overlap_reward"]
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(out), save_steps=1), *reward]
+    assert main([*argv, "--max_steps", "2"]) == 0
+    (out / "checkpoint-1" / "eval").mkdir()
+    (out / "checkpoint-1" / "eval" / "samples.jsonl").write_text('{"sample": 1}\n')
+    (out / "checkpoint-2" / "notes.txt").write_text("lr too low?")
+    capsys.readouterr()
+    before = snapshot(tmp_path)
+
+    assert main([*argv, "--max_steps", "2", "--overwrite_output_dir", "true"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"opefo-train: error: overwrite_output_dir would delete {out / 'checkpoint-1'}, which holds files that no run "
+        f"of opefo-train wrote: eval/samples.jsonl. Move them out of {out / 'checkpoint-1'}, then run the command "
+        "again."
+    ) in err
+    assert snapshot(tmp_path) == before
+    resume_1 = ["--max_steps", "2", "--resume_from_checkpoint", str(out / "checkpoint-1")]
+    assert main([*argv, *resume_1]) == 2
+    assert (
+        f"opefo-train: error: This resume would save again over (it trains the steps after checkpoint-1 anew) "
+        f"{out / 'checkpoint-2'}, which holds files that no run of opefo-train wrote: notes.txt."
+    ) in capsys.readouterr().err
+    assert snapshot(tmp_path) == before
+
+    os.remove(out / "checkpoint-2" / "notes.txt")
+    with caplog.at_level("WARNING"):
+        assert main([*argv, "--max_steps", "3", "--save_total_limit", "1", "--resume_from_checkpoint", "true"]) == 0
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-1", "checkpoint-3"]
+    assert (out / "checkpoint-1" / "eval" / "samples.jsonl").read_text() == '{"sample": 1}\n'
+    assert f"save_total_limit: {out / 'checkpoint-1'} is kept, not rotated out" in caplog.text
+
+
 def test_a_resume_with_options_the_checkpoint_would_override_is_refused_and_others_are_said(
     tiny_model_path, problems_file, tmp_path, reward_module, capsys, caplog, snapshot
 ):
