@@ -26,7 +26,6 @@ from typing import Any
 from opefo_trl.runs.checkpoint import (
     check_checkpoint,
     check_steps_left,
-    checkpoint_step,
     checkpoints,
     foreign_checkpoint_files,
     resume_checkpoint,
@@ -220,8 +219,9 @@ class OutputDirPolicy:
         that no run of ours wrote (:func:`~opefo_trl.runs.foreign_checkpoint_files`: an opefo-eval store, a note)."""
         if self.overwrite:
             doomed, why = [os.path.join(output_dir, n) for n in earlier if CHECKPOINT_RE.match(n)], "delete"
-        elif resume is not None:
-            step = checkpoint_step(resume)
+        elif resume is not None and CHECKPOINT_RE.match(os.path.basename(os.path.normpath(resume))):
+            # its step by name: its files are checked after this (check_checkpoint), and may be damaged
+            step = int(CHECKPOINT_RE.match(os.path.basename(os.path.normpath(resume))).group(1))  # type: ignore[union-attr]
             doomed = [path for later, path in checkpoints(output_dir) if later > step]
             why = f"save again over (it trains the steps after {os.path.basename(os.path.normpath(resume))} anew)"
         else:

@@ -3,8 +3,9 @@
 - :func:`check_training_values`: settings that fail only at the first optimizer step or generation (a negative
   learning rate, no completion tokens, temperature 0, any number option that is inf or nan), refused when the
   trainer is built, before the model loads.
-- :func:`check_vllm_setup`: vLLM options the machine at hand cannot run (sleep mode or server mode's weight transfer
-  without a CUDA GPU, an attention head size vLLM's CPU backend refuses), refused before the model loads.
+- :func:`check_vllm_setup`: vLLM options the machine at hand cannot run (vLLM not installed, sleep mode or server
+  mode's weight transfer without a CUDA GPU, an attention head size vLLM's CPU backend refuses), refused before the
+  model loads.
 - :class:`RewardCheck`: what reward functions return, checked on every call. A function that raises, returns
   something other than one number (or None) per completion, or a reward that is inf, NaN or too large for TRL's
   float32 group statistics (:func:`largest_reward`) stops training with an
@@ -90,8 +91,58 @@ def check_training_values(args) -> None:
             f"temperature={args.temperature}: GRPO samples completions and scores their log-probabilities at this "
             "temperature, which must be > 0 (1.0 samples the policy as it is)"
         )
+    problems += _sampling_and_run_problems(args)
+    problems += vllm_option_problems(
+        getattr(args, "vllm_gpu_memory_utilization", None), getattr(args, "vllm_tensor_parallel_size", None)
+    )
     if problems:
         raise ValueError("; ".join(problems) + ".")
+
+
+def _sampling_and_run_problems(args) -> list[str]:
+    """Values TRL and transformers take that train nothing, something else than asked, or fail later."""
+    problems = []
+    if getattr(args, "max_steps", -1) == 0:
+        problems.append(
+            "max_steps=0 asks for no step, and transformers would still train one and save it as the final model; "
+            "give max_steps > 0, or -1 (the default) to train num_train_epochs"
+        )
+    top_p = getattr(args, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        problems.append(
+            f"top_p={top_p}: nucleus sampling keeps the most likely tokens whose probabilities add up to top_p, which "
+            "must be in (0, 1] (1.0 samples the policy as it is; near 0 every completion of a group is the same and "
+            "nothing trains)"
+        )
+    beta = getattr(args, "beta", 0.0)
+    if beta < 0:
+        problems.append(
+            f"beta={beta}: the KL coefficient must be >= 0 (0: no KL term, TRL's default); a negative one rewards "
+            "moving away from the reference model"
+        )
+    for option in ("seed", "data_seed"):
+        value = getattr(args, option, None)
+        if value is not None and not 0 <= value < 2**32:
+            problems.append(f"{option}={value}: seeds must be in [0, 2**32 - 1] (numpy's range)")
+    return problems
+
+
+def vllm_option_problems(gpu_memory_utilization: float | None, tensor_parallel_size: int | None) -> list[str]:
+    """What is wrong with vLLM's memory fraction and tensor-parallel size (opefo-train's and opefo-eval's check).
+
+    >>> vllm_option_problems(1.5, 0)  # doctest: +NORMALIZE_WHITESPACE
+    ["vllm_gpu_memory_utilization must be in (0, 1] (a fraction of the GPU's memory), got 1.5",
+     'vllm_tensor_parallel_size must be at least 1, got 0']
+    """
+    problems = []
+    if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+        problems.append(
+            "vllm_gpu_memory_utilization must be in (0, 1] (a fraction of the GPU's memory), got "
+            f"{gpu_memory_utilization}"
+        )
+    if tensor_parallel_size is not None and tensor_parallel_size < 1:
+        problems.append(f"vllm_tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
+    return problems
 
 
 def check_vllm_setup(args, model: Any) -> None:
@@ -103,6 +154,8 @@ def check_vllm_setup(args, model: Any) -> None:
     """
     if not getattr(args, "use_vllm", False):
         return
+    import importlib.util
+
     import torch
 
     on_cuda = torch.cuda.is_available() and not args.use_cpu
@@ -118,7 +171,12 @@ def check_vllm_setup(args, model: Any) -> None:
             f"side ({'use_cpu=True' if args.use_cpu else 'no CUDA GPU found'}); use vllm_mode='colocate', or train on "
             "a GPU"
         )
-    if args.vllm_mode == "colocate":
+    if importlib.util.find_spec("vllm") is None:  # TRL finds out after the model has loaded
+        problems.append(
+            "use_vllm=True but vLLM is not installed: `pip install 'opefo-trl[vllm]'` (on a machine with a CUDA GPU), "
+            "or set use_vllm=False (--use_vllm false) to generate with transformers"
+        )
+    elif args.vllm_mode == "colocate":
         problems += _vllm_head_size_problems(model)
     if problems:
         raise ValueError("; ".join(problems) + ".")
@@ -126,10 +184,7 @@ def check_vllm_setup(args, model: Any) -> None:
 
 def _vllm_head_size_problems(model: Any) -> list[str]:
     """The model's attention head size, if vLLM runs on its CPU platform here and its attention refuses that size."""
-    import importlib.util
 
-    if importlib.util.find_spec("vllm") is None:
-        return []  # TRL refuses use_vllm without vLLM
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():

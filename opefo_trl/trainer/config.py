@@ -148,6 +148,11 @@ class OPEFOConfig(GRPOConfig, EntropyFlowSettings, *settings_classes(BUILTIN_MET
     )
 
     def __post_init__(self):
+        if isinstance(self.num_generations, int) and self.num_generations < 2:  # GRPOConfig divides by it first
+            raise ValueError(
+                f"num_generations={self.num_generations}: GRPO compares each completion with the others of its "
+                "prompt's group, so it needs at least 2 completions per prompt (e.g. 8)."
+            )
         super().__post_init__()
         validate_opefo_settings(self)
 
@@ -266,6 +271,29 @@ def _refuse_unmodelled_updates(args, method_class: type[TokenMethod]) -> None:
         )
 
 
+#: TRL's loss types that clip the ratio to [1 - epsilon, 1 + epsilon_high].
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+def _check_clip_range(args) -> None:
+    """The clip range [1 - epsilon, 1 + epsilon_high] of the clipped loss types: epsilon <= 0 clips every token's
+    ratio to 1 (nothing trains off the first micro-batch), a negative one turns the clip inside out, and an
+    epsilon_high below epsilon is a typo for clip-higher (DAPO: epsilon_high > epsilon)."""
+    if args.loss_type not in CLIPPED_LOSS_TYPES:
+        return
+    if args.epsilon <= 0:
+        raise ValueError(
+            f"epsilon={args.epsilon}: the clip range [1 - epsilon, 1 + epsilon_high] needs epsilon > 0 (TRL's default "
+            "0.2)."
+        )
+    if args.epsilon_high is not None and args.epsilon_high < args.epsilon:
+        raise ValueError(
+            f"epsilon_high={args.epsilon_high} is below epsilon={args.epsilon}: the clip range is [1 - epsilon, "
+            "1 + epsilon_high], and clip-higher (DAPO) raises its upper end (e.g. epsilon_high=0.28 with "
+            "epsilon=0.2). Set epsilon_high >= epsilon, or leave it unset (= epsilon)."
+        )
+
+
 def validate_opefo_settings(args) -> None:
     """Check the OPEFO options of ``args`` (an OPEFOConfig, or a GRPOConfig given them by `with_opefo_settings`).
 
@@ -276,6 +304,7 @@ def validate_opefo_settings(args) -> None:
     # GRPOConfig only rejects some of these when the first batch reaches them: fail at configuration time.
     for name, valid in TRL_CHOICES.items():
         check_choice(name, getattr(args, name), valid)
+    _check_clip_range(args)
     method_class = get_token_method_class(args.method)  # unknown name: error listing the valid ones
     method_class.settings_from(args)  # the selected method's settings validate on construction
     _refuse_settings_of_other_methods(args, method_class)

@@ -250,3 +250,26 @@ def test_an_output_dir_that_cannot_be_written_is_one_line_before_loading(
         err = capsys.readouterr().err
         assert err.startswith(f"opefo-eval: error: Cannot write into output_dir '{out}' (") and "Traceback" not in err
         assert "give a folder this user can write to." in err
+
+
+@pytest.mark.parametrize(
+    "device, message",
+    [
+        ("tpu9", "device='tpu9' is not a torch device (Invalid device string: 'tpu9'); give cpu, cuda"),
+        ("cuda", "device='cuda' but this machine has no CUDA GPU that torch can use"),
+        ("cuda:0", "device='cuda:0' but this machine has no CUDA GPU that torch can use"),
+    ],
+)
+def test_a_device_this_machine_does_not_have_is_one_line_before_loading(
+    device, message, tiny_model_path, bench_file, tmp_path, capsys, monkeypatch, no_model_loading
+):
+    """O: `--device cuda` on a machine without CUDA, and `--device tpu9`, were tracebacks."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU machine, also where a GPU is
+    out = tmp_path / "eval"
+    argv = ["--model_name_or_path", tiny_model_path, "--benchmarks", bench_file, "--output_dir", str(out)]
+    assert main([*argv, "--backend", "transformers", "--no_progress", "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"opefo-eval: error: {message}") and "Traceback" not in err
+    assert not out.exists()
