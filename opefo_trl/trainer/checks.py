@@ -182,6 +182,69 @@ def check_vllm_setup(args, model: Any) -> None:
         raise ValueError("; ".join(problems) + ".")
 
 
+def active_dropout(model: Any, *, modules: bool = True, trust_remote_code: bool = False) -> list[str]:
+    """``name=p`` of the dropout ``model`` (a path, a hub id, a config or a loaded model) trains with: its config's
+    dropout probabilities above 0 (which TRL's ``disable_dropout`` leaves as they are) and, for a loaded model with
+    ``modules``, its ``torch.nn.Dropout`` modules with p > 0 (which ``disable_dropout`` zeroes).
+
+    >>> from transformers import Qwen2Config
+    >>> active_dropout(Qwen2Config(attention_dropout=0.1)), active_dropout(Qwen2Config())
+    (['attention_dropout=0.1'], [])
+    """
+    import torch
+    from transformers import PretrainedConfig
+
+    loaded: list[tuple[str, torch.nn.Module]] = []
+    if isinstance(model, PretrainedConfig):
+        config = model
+    elif isinstance(model, str):
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError):
+            return []  # not readable here: loading reports it
+    else:
+        config, loaded = getattr(model, "config", None), list(model.named_modules())
+    found = []
+    if config is not None:
+        for name, value in sorted(config.get_text_config().to_dict().items()):
+            if ("dropout" in name or "pdrop" in name) and isinstance(value, float) and value > 0:
+                found.append(f"{name}={value}")
+    dropouts = [(n, m.p) for n, m in loaded if isinstance(m, torch.nn.Dropout) and m.p > 0] if modules else []
+    if dropouts:
+        found.append(f"{len(dropouts)} torch.nn.Dropout module(s) (first: {dropouts[0][0]}, p={dropouts[0][1]})")
+    return found
+
+
+def check_dropout(args, model: Any, peft_config: Any = None) -> None:
+    """Dropout in TRL's training pass, which drops units that the rollout's scoring passes keep: refused by a method
+    that weighs tokens, the diagnostics switched off (with a warning) otherwise
+    (:func:`~opefo_trl.trainer.config.refuse_or_switch_off_diagnostics`). Checked when the trainer is built, before
+    the model loads: the config's dropout probabilities, and with ``disable_dropout=False`` also the model's
+    ``torch.nn.Dropout`` modules (a loaded model) and LoRA's ``lora_dropout`` (``peft_config``)."""
+    from opefo_trl.methods import get_token_method_class
+    from opefo_trl.trainer.config import refuse_or_switch_off_diagnostics
+
+    method_class = get_token_method_class(args.method)
+    if not (method_class.weighs_tokens() or args.entropy_flow_diagnostics):
+        return
+    disabled = getattr(args, "disable_dropout", False)
+    found = active_dropout(model, modules=not disabled, trust_remote_code=getattr(args, "trust_remote_code", False))
+    lora_dropout = getattr(peft_config, "lora_dropout", 0.0) or 0.0
+    if not disabled and lora_dropout > 0:
+        found.append(f"lora_dropout={lora_dropout}")
+    if found:
+        refuse_or_switch_off_diagnostics(
+            args,
+            method_class,
+            f"dropout in training ({', '.join(found)}; disable_dropout={disabled})",
+            "TRL's training pass then drops units that the rollout's scoring passes keep, so its gradient is taken "
+            "at other log-probabilities (set disable_dropout=True, which zeroes torch.nn.Dropout and LoRA's dropout, "
+            "and a config's dropout probabilities to 0)",
+        )
+
+
 def _vllm_head_size_problems(model: Any) -> list[str]:
     """The model's attention head size, if vLLM runs on its CPU platform here and its attention refuses that size."""
 

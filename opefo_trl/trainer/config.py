@@ -294,6 +294,39 @@ def _check_clip_range(args) -> None:
         )
 
 
+def refuse_or_switch_off_diagnostics(args, method_class: type[TokenMethod], option: str, why: str) -> None:
+    """An option (``option``, e.g. ``"neftune_noise_alpha=5.0"``) under which TRL's training pass is not the pass
+    the per-token factor and the flows are computed from (``why``): refused by a method that weighs tokens (its update
+    would be wrong); under a method that does not, the entropy-flow diagnostics, which would describe another update,
+    are switched off with one warning, and training goes on as GRPOTrainer's would."""
+    if method_class.weighs_tokens():
+        raise ValueError(
+            f"{option} is not modelled by OPEFOTrainer: {why}, so method={args.method!r}'s token weights would be "
+            "computed for an update that is not applied. Remove the option, or use method='grpo' (TRL's own update)."
+        )
+    if args.entropy_flow_diagnostics:
+        import warnings
+
+        args.entropy_flow_diagnostics = False
+        warnings.warn(
+            f"{option}: {why}, which the entropy-flow diagnostics do not model; they are switched off for this run "
+            "(entropy_flow_diagnostics=False). Training is TRL's own.",
+            stacklevel=2,
+        )
+
+
+def _check_noise(args, method_class: type[TokenMethod]) -> None:
+    alpha = getattr(args, "neftune_noise_alpha", None)
+    if alpha is not None:
+        refuse_or_switch_off_diagnostics(
+            args,
+            method_class,
+            f"neftune_noise_alpha={alpha}",
+            "NEFTune adds noise to the input embeddings in TRL's training pass, so its gradient is taken at other "
+            "log-probabilities than the rollout was scored with",
+        )
+
+
 def validate_opefo_settings(args) -> None:
     """Check the OPEFO options of ``args`` (an OPEFOConfig, or a GRPOConfig given them by `with_opefo_settings`).
 
@@ -310,6 +343,7 @@ def validate_opefo_settings(args) -> None:
     _refuse_settings_of_other_methods(args, method_class)
     method_class.check_config(args)
     _refuse_unmodelled_updates(args, method_class)
+    _check_noise(args, method_class)
     check_choice("entropy_flow_estimate", args.entropy_flow_estimate, FLOW_ESTIMATES)
     check_choice("entropy_flow_preconditioner", args.entropy_flow_preconditioner, PRECONDITIONERS)
     check_choice("entropy_flow_entropy", args.entropy_flow_entropy, ENTROPIES)
@@ -375,7 +409,8 @@ def _refuse_settings_of_other_methods(args, method_class) -> None:
 
 
 def with_opefo_settings(args: GRPOConfig) -> OPEFOConfig:
-    """Give a plain `GRPOConfig` (or a user's subclass) the OPEFO options, in place, and validate them.
+    """Give a plain `GRPOConfig` (or a user's subclass) the OPEFO options, in place, and validate them (an
+    `OPEFOConfig` is validated again: its fields may have been set after it was built).
 
     The object keeps its class, its identity and its own extra fields, as `GRPOTrainer` keeps the config it is
     given; options it already has as attributes (e.g. ``args.method = "grpo"`` set by the user) are kept.
@@ -391,7 +426,9 @@ def with_opefo_settings(args: GRPOConfig) -> OPEFOConfig:
         for f in _opefo_fields():
             if not hasattr(args, f.name):
                 setattr(args, f.name, _default(f))
-        validate_opefo_settings(args)
+    # Also an OPEFOConfig, checked when built: an option set on it since (e.g. importance_sampling_level="sequence")
+    # is seen here, from TRL's own fields, before the trainer is built.
+    validate_opefo_settings(args)
     # Typed as an OPEFOConfig: it now has every attribute of one, whatever its class.
     return cast(OPEFOConfig, args)
 
