@@ -195,6 +195,7 @@ def active_dropout(model: Any, *, modules: bool = True, trust_remote_code: bool 
     from transformers import PretrainedConfig
 
     loaded: list[tuple[str, torch.nn.Module]] = []
+    config: Any
     if isinstance(model, PretrainedConfig):
         config = model
     elif isinstance(model, str):
