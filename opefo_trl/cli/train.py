@@ -171,9 +171,11 @@ def prepare_inputs(script_args, training_args, model_args) -> tuple:
     """The checked training data and the reward functions: the last input checks, made before any weights load (the
     prompts against the context, the probe, that the run trains a step, what a resume would train, and what this
     machine cannot run with vLLM)."""
+    from trl import get_peft_config
+
     from opefo_trl.data.train_dataset import load_tokenizer, load_train_dataset, split_probe
     from opefo_trl.methods import get_token_method_class
-    from opefo_trl.trainer.checks import check_trains_some_steps, check_vllm_setup
+    from opefo_trl.trainer.checks import check_dropout, check_trains_some_steps, check_vllm_setup
     from opefo_trl.trainer.probe import check_probe_dataset
 
     check_context_length(script_args, training_args, model_args)
@@ -184,8 +186,10 @@ def prepare_inputs(script_args, training_args, model_args) -> tuple:
         check_probe_dataset(split_probe(dataset, script_args.probe_prompts)[1], training_args, needs_rollout_pass)
     steps = check_trains_some_steps(len(dataset) - script_args.probe_prompts, training_args)
     output_dir_policy(script_args, training_args, model_args).check_resume(steps)
-    # What the machine at hand cannot run with vLLM (the trainer checks it again, too late for one line).
+    # What the machine at hand cannot run with vLLM, and dropout in training (the trainer checks them again, too late
+    # for one line).
     check_vllm_setup(training_args, model_args.model_name_or_path)
+    check_dropout(training_args, model_args.model_name_or_path, get_peft_config(model_args))
     logger.info(
         "Training data: %d problems from %s (template %r); every prompt + %d completion tokens fits the context of %d.",
         len(dataset),

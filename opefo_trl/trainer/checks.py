@@ -241,8 +241,9 @@ def check_dropout(args, model: Any, peft_config: Any = None) -> None:
             method_class,
             f"dropout in training ({', '.join(found)}; disable_dropout={disabled})",
             "TRL's training pass then drops units that the rollout's scoring passes keep, so its gradient is taken "
-            "at other log-probabilities (set disable_dropout=True, which zeroes torch.nn.Dropout and LoRA's dropout, "
-            "and a config's dropout probabilities to 0)",
+            "at other log-probabilities",
+            "Set disable_dropout=True (it zeroes torch.nn.Dropout, LoRA's dropout included) and any dropout "
+            "probability of the model's config to 0",
         )
 
 

@@ -294,15 +294,16 @@ def _check_clip_range(args) -> None:
         )
 
 
-def refuse_or_switch_off_diagnostics(args, method_class: type[TokenMethod], option: str, why: str) -> None:
+def refuse_or_switch_off_diagnostics(args, method_class: type[TokenMethod], option: str, why: str, fix: str) -> None:
     """An option (``option``, e.g. ``"neftune_noise_alpha=5.0"``) under which TRL's training pass is not the pass
-    the per-token factor and the flows are computed from (``why``): refused by a method that weighs tokens (its update
-    would be wrong); under a method that does not, the entropy-flow diagnostics, which would describe another update,
-    are switched off with one warning, and training goes on as GRPOTrainer's would."""
+    the per-token factor and the flows are computed from (``why``; ``fix``: how to train as they score): refused by a
+    method that weighs tokens (its update would be wrong); under a method that does not, the entropy-flow
+    diagnostics, which would describe another update, are switched off with one warning, and training goes on as
+    GRPOTrainer's would."""
     if method_class.weighs_tokens():
         raise ValueError(
-            f"{option} is not modelled by OPEFOTrainer: {why}, so method={args.method!r}'s token weights would be "
-            "computed for an update that is not applied. Remove the option, or use method='grpo' (TRL's own update)."
+            f"{option} is not modelled by OPEFOTrainer: {why}, and method={args.method!r} would weigh tokens for an "
+            f"update that is not the one applied. {fix}, or use method='grpo' (TRL's own update)."
         )
     if args.entropy_flow_diagnostics:
         import warnings
@@ -324,6 +325,7 @@ def _check_noise(args, method_class: type[TokenMethod]) -> None:
             f"neftune_noise_alpha={alpha}",
             "NEFTune adds noise to the input embeddings in TRL's training pass, so its gradient is taken at other "
             "log-probabilities than the rollout was scored with",
+            "Remove neftune_noise_alpha",
         )
 
 

@@ -1298,6 +1298,7 @@ def test_a_run_that_would_train_no_step_is_refused_before_loading(
         (["--vllm_gpu_memory_utilization", "0"], "vllm_gpu_memory_utilization must be in (0, 1]"),
         (["--vllm_tensor_parallel_size", "0"], "vllm_tensor_parallel_size must be at least 1, got 0."),
         (["--context_length", "8192"], "context_length=8192 is above the 1024 positions of"),
+        (["--use_peft", "true"], "dropout in training (lora_dropout=0.05; disable_dropout=False) is not modelled"),
     ],
 )
 def test_values_that_train_nothing_or_something_else_are_refused_before_loading(
