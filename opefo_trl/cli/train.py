@@ -176,14 +176,42 @@ def output_dir_policy(script_args, training_args, model_args) -> OutputDirPolicy
     )
 
 
+def check_context_length(script_args, training_args, model_args) -> None:
+    """Refuse a ``context_length`` above the model's ``max_position_embeddings`` unless the user says so
+    (``context_length_beyond_model``): prompts that long would reach positions the model was never trained on."""
+    from opefo_trl.data.model_files import model_context_length
+
+    if script_args.context_length is None or script_args.context_length_beyond_model:
+        return
+    try:
+        model_positions = model_context_length(
+            model_args.model_name_or_path,
+            revision=model_args.model_revision,
+            trust_remote_code=training_args.trust_remote_code,
+        )
+    except OSError:  # no readable config here: loading the model reports it
+        return
+    if model_positions is not None and script_args.context_length > model_positions:
+        raise ValueError(
+            f"context_length={script_args.context_length} is above the {model_positions} positions of "
+            f"{model_args.model_name_or_path!r} (its config's max_position_embeddings): prompt and completion tokens "
+            f"past position {model_positions} would go where the model was never trained. Give context_length <= "
+            f"{model_positions}, or add --context_length_beyond_model true if the model does handle longer contexts."
+        )
+
+
 def prepare_inputs(script_args, training_args, model_args) -> tuple:
     """The checked training data and the reward functions: the last input checks, made before any weights load (the
-    prompts against the context, the probe, that the run trains a step, and what a resume would train)."""
+    prompts against the context, the probe, that the run trains a step, what a resume would train, and what this
+    machine cannot run with vLLM)."""
+    from trl import get_peft_config
+
     from opefo_trl.data.train_dataset import load_tokenizer, load_train_dataset, split_probe
     from opefo_trl.methods import get_token_method_class
-    from opefo_trl.trainer.checks import check_trains_some_steps
+    from opefo_trl.trainer.checks import check_dropout, check_trains_some_steps, check_vllm_setup
     from opefo_trl.trainer.probe import check_probe_dataset
 
+    check_context_length(script_args, training_args, model_args)
     tokenizer = load_tokenizer(model_args, training_args)
     dataset, context = load_train_dataset(script_args, training_args, model_args, tokenizer)
     if script_args.probe_prompts:
@@ -191,6 +219,10 @@ def prepare_inputs(script_args, training_args, model_args) -> tuple:
         check_probe_dataset(split_probe(dataset, script_args.probe_prompts)[1], training_args, needs_rollout_pass)
     steps = check_trains_some_steps(len(dataset) - script_args.probe_prompts, training_args)
     output_dir_policy(script_args, training_args, model_args).check_resume(steps)
+    # What the machine at hand cannot run with vLLM, and dropout in training (the trainer checks them again, too late
+    # for one line).
+    check_vllm_setup(training_args, model_args.model_name_or_path)
+    check_dropout(training_args, model_args.model_name_or_path, get_peft_config(model_args))
     logger.info(
         "Training data: %d problems from %s (template %r); every prompt + %d completion tokens fits the context of %d.",
         len(dataset),

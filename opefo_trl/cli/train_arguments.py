@@ -119,6 +119,14 @@ class TrainScriptArguments(ScriptArguments):
             "vllm_max_model_length."
         },
     )
+    context_length_beyond_model: bool = field(
+        default=False,
+        metadata={
+            "help": "Allow a context_length above the model config's max_position_embeddings (e.g. a model whose "
+            "position scaling its config does not state). Without it such a context_length is refused: the model "
+            "was not trained on positions that far."
+        },
+    )
     drop_overlong_prompts: bool = field(
         default=False,
         metadata={

@@ -298,6 +298,30 @@ def _plain_answer(value) -> str | None:
     return answer or None
 
 
+def _check_gold_type(value, *, row: int, column: str, answer_format: str) -> None:
+    """Refuse a gold answer that would reach the rewards as a Python repr: a mapping, a bool, or anything but text (and,
+    for ``answer_format='plain'``, a number or a list of them).
+
+    >>> _check_gold_type({"v": "27"}, row=3, column="answer", answer_format="plain")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: The gold answer in column 'answer', row 3, is a dict ({'v': '27'}): ...
+    """
+    if value is None:
+        return
+    plain = answer_format == "plain"
+    allowed: tuple[type, ...] = (str, int, float) if plain else (str,)
+    for item in value if plain and isinstance(value, (list, tuple)) else [value]:
+        if isinstance(item, bool) or not isinstance(item, allowed):
+            kinds = "text, a number, or a list of them" if plain else f"text (answer_format={answer_format!r})"
+            raise ValueError(
+                f"The gold answer in column {column!r}, row {row}, is a {type(item).__name__} ({item!r:.100}): gold "
+                f"answers must be {kinds}, or it would reach the reward functions as {str(item)!r:.100}. Fix that row, "
+                "or point answer_column at the field that holds the answer (a dotted name such as "
+                "'reward_model.ground_truth')."
+            )
+
+
 _ANSWER_EXTRACTORS = {"plain": _plain_answer, "boxed": extract_boxed_answer, "gsm8k": extract_gsm8k_answer}
 
 
@@ -542,11 +566,15 @@ def load_math_dataset(
     keep = _deduplicate(problems) if source.deduplicate else list(range(len(problems)))
     if source.deduplicate:
         logger.info("Deduplicated %s: %d of %d rows kept.", shown, len(keep), len(problems))
-    raw_answers = _column_values(raw, source.answer_column).to_pylist()
+    answer_values = _column_values(raw, source.answer_column)
+    raw_answers = answer_values.to_pylist()
+    if getattr(answer_values.type, "extension_name", None) == "arrow.json":  # values of mixed types, held as JSON text
+        raw_answers = [None if v is None else json.loads(v) for v in raw_answers]
     extract = _ANSWER_EXTRACTORS[source.answer_format]
 
     prompts, solutions, rows, unanswerable = [], [], [], []
     for i in keep:
+        _check_gold_type(raw_answers[i], row=i, column=source.answer_column, answer_format=source.answer_format)
         answer = extract(raw_answers[i])
         if answer is None or not problems[i]:
             unanswerable.append(i)

@@ -47,6 +47,24 @@ class ModelSource:
             prints.update({f"adapter/{name}": value for name, value in weight_fingerprints(self.adapter_path).items()})
         return prints
 
+    def check_finite_weights(self) -> None:
+        """Refuse weights holding NaN or inf (read from the local safetensors files, one tensor at a time, before
+        any backend loads them): such a model generates nothing a reader can score, and its samples would be scored
+        0.0 as if it had answered wrongly."""
+        bad = [
+            f"{role}/{name}"
+            for role, folder in (("model", self.model_path), ("adapter", self.adapter_path))
+            if folder is not None
+            for name in non_finite_tensors(folder)
+        ]
+        if bad:
+            shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+            raise ValueError(
+                f"The weights of {self.adapter_path or self.model_path} hold NaN or inf ({len(bad)} tensor(s): "
+                f"{shown}): the model cannot generate anything to score (its samples would count as wrong answers). "
+                "Evaluate an earlier checkpoint of the run, whose weights are finite."
+            )
+
     def file_fingerprints(self) -> dict[str, str]:
         """Content fingerprints of the files besides the weights that decide what is generated
         (:func:`opefo_trl.data.model_files.model_file_fingerprints`): ``model/``, ``adapter/`` and ``tokenizer/<file>``
@@ -60,6 +78,26 @@ class ModelSource:
             seen.add(os.path.realpath(folder))
             prints.update({f"{role}/{name}": value for name, value in model_file_fingerprints(folder).items()})
         return prints
+
+
+def non_finite_tensors(directory: str) -> list[str]:
+    """``file:tensor`` of every floating-point tensor of the ``*.safetensors`` files of ``directory`` that holds NaN
+    or inf, read one tensor at a time (other weight formats, and a hub id, are not read: nothing is reported)."""
+    import torch
+    from safetensors import safe_open
+
+    if not os.path.isdir(directory):
+        return []
+    found = []
+    for name in sorted(os.listdir(directory)):
+        if not name.endswith(".safetensors"):
+            continue
+        with safe_open(os.path.join(directory, name), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+                tensor = f.get_tensor(key)
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    found.append(f"{name}:{key}")
+    return found
 
 
 def resolve_model_source(model_name_or_path: str, base_model_name_or_path: str | None = None) -> ModelSource:

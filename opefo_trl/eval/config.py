@@ -13,6 +13,39 @@ from .benchmarks import BENCHMARKS, PAPER_BENCHMARKS, parse_benchmark_files
 BACKENDS = ("auto", "vllm", "transformers")
 
 
+def check_device(device: str) -> None:
+    """Refuse a ``device`` torch cannot parse, or one this machine does not have (a CUDA or MPS device without one).
+
+    >>> check_device("tpu9")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: device='tpu9' is not a torch device (...); give cpu, cuda, cuda:<index> or mps, or leave it unset ...
+    """
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(
+            f"device={device!r} is not a torch device ({str(err).splitlines()[0]}); give cpu, cuda, cuda:<index> or "
+            "mps, or leave it unset (cuda if found, else cpu)."
+        ) from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(
+                f"device={device!r} but this machine has no CUDA GPU that torch can use (torch.cuda.is_available() is "
+                "False); give --device cpu, or leave it unset."
+            )
+        if parsed.index is not None and parsed.index >= count:
+            raise ValueError(
+                f"device={device!r} but this machine has {count} CUDA GPU(s) (cuda:0 to cuda:{count - 1}); give one "
+                "of those, or leave it unset."
+            )
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device={device!r} but MPS is not available on this machine; give --device cpu.")
+
+
 @dataclass
 class EvaluationConfig:
     """Options of :func:`evaluate` and ``opefo-eval`` (every field is a ``--flag``; ``--config eval.yaml`` works too).
@@ -118,7 +151,7 @@ class EvaluationConfig:
             raise ValueError("model_name_or_path is required: a checkpoint directory, a hub id or a LoRA adapter.")
         if not self.benchmarks:
             raise ValueError(f"No benchmarks given; choose from {', '.join(BENCHMARKS)} or pass local files.")
-        from opefo_trl.trainer.checks import non_finite_options  # opefo-train's check of the same values
+        from opefo_trl.trainer.checks import non_finite_options, vllm_option_problems  # opefo-train's checks too
 
         non_finite = non_finite_options(self)
         if non_finite:
@@ -135,19 +168,17 @@ class EvaluationConfig:
             raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}.")
         if self.batch_size < 1 or self.vllm_problems_per_call < 1:
             raise ValueError("batch_size and vllm_problems_per_call must be at least 1.")
-        if not 0 < self.vllm_gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"vllm_gpu_memory_utilization must be in (0, 1] (a fraction of the GPU's memory), got "
-                f"{self.vllm_gpu_memory_utilization}."
-            )
-        if self.vllm_tensor_parallel_size < 1:
-            raise ValueError(f"vllm_tensor_parallel_size must be at least 1, got {self.vllm_tensor_parallel_size}.")
+        vllm_problems = vllm_option_problems(self.vllm_gpu_memory_utilization, self.vllm_tensor_parallel_size)
+        if vllm_problems:
+            raise ValueError("; ".join(vllm_problems) + ".")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
         if self.max_problems is not None and self.max_problems < 1:
             raise ValueError(f"max_problems must be at least 1, got {self.max_problems}.")
         if self.backend not in BACKENDS:
             raise ValueError(f"Unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}.")
+        if self.device is not None:
+            check_device(self.device)
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"Unknown dtype {self.dtype!r}; choose auto, bfloat16, float16 or float32.")
         if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):

@@ -56,7 +56,8 @@ def evaluate(
 
     Everything that can be checked without the model is checked first (benchmark names, ``k <= n``, model path and
     its weights, backend, data columns, stored samples and the weights, tokenizer, chat template and generation
-    config they were drawn with); the model is loaded only if samples are missing. One run writes a store at a time:
+    config they were drawn with, and that the weights hold no NaN or inf); the model is loaded only if samples are
+    missing. One run writes a store at a time:
     a run into an ``output_dir`` another run holds is refused at once (``RunFolderBusy``, the lock of
     :class:`opefo_trl.runs.RunLock`), as is one into a folder it cannot write (``RunFolderError``).
 
@@ -78,6 +79,7 @@ def evaluate(
     benchmarks = resolve_benchmarks(config)
     assert config.model_name_or_path is not None  # EvaluationConfig.__post_init__ requires it
     source = resolve_model_source(config.model_name_or_path, config.base_model_name_or_path)
+    source.check_finite_weights()  # NaN weights generate nothing to score
     backend_name = "custom" if backend_factory is not None else select_backend(config.backend)
     problems_by_benchmark = {b.name: load_problems(b, config.max_problems) for b in benchmarks}
 

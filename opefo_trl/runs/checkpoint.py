@@ -24,9 +24,10 @@ import shutil
 import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, sort_checkpoints
 
 from opefo_trl.runs.files import (
     CHECKPOINT_MARKER,
@@ -101,6 +102,29 @@ def _marker(checkpoint: str) -> tuple[dict[str, int], str | None]:
     if not isinstance(files, dict):
         return {}, "does not list the checkpoint's files"
     return files, None
+
+
+def foreign_checkpoint_files(checkpoint: str) -> list[str]:
+    """The files inside ``checkpoint`` (paths relative to it) that its save did not write: those its completion marker
+    does not list, e.g. an ``opefo-eval -o checkpoint-2/eval`` store or a note. A checkpoint without a readable marker
+    (a save that did not finish) has none: every file in it is its save's.
+
+    >>> import tempfile
+    >>> folder = tempfile.mkdtemp()
+    >>> _ = open(os.path.join(folder, "model.safetensors"), "w").write("w")
+    >>> mark_checkpoint_complete(folder)
+    >>> _ = open(os.path.join(folder, "notes.txt"), "w").write("mine")
+    >>> foreign_checkpoint_files(folder)
+    ['notes.txt']
+    """
+    saved, problem = _marker(checkpoint)
+    if problem is not None:
+        return []
+    return [name for name in _saved_sizes(checkpoint) if name not in saved]
+
+
+def shown_files(names: list[str], limit: int = 5) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def _safetensors_problem(path: str) -> str | None:
@@ -324,11 +348,15 @@ def check_steps_left(checkpoint: str, planned_steps: int) -> None:
     Trainer would train one more step and save its model over the finished run's final model."""
     step = checkpoint_step(checkpoint)
     if step >= planned_steps:
+        run = os.path.dirname(os.path.normpath(checkpoint))
+        if any(WEIGHTS_RE.match(n) for n in os.listdir(run)):
+            final_model = f"its final model in {run} is left as it is"
+        else:  # stopped before its final model was saved: the checkpoint of the last step holds the same weights
+            final_model = f"{run} holds no final model, and {checkpoint} holds the weights of its step {step}"
         raise CheckpointError(
             f"Nothing to resume: {checkpoint} is at step {step}, and this run trains {planned_steps} step(s) "
-            "(max_steps, or num_train_epochs over the data), so it has finished; its final model is left as it is (if "
-            f"a run was stopped while saving it, {checkpoint} holds the same weights). To train further, raise "
-            "max_steps or num_train_epochs."
+            f"(max_steps, or num_train_epochs over the data), so it has finished; {final_model}. To train further, "
+            "raise max_steps or num_train_epochs."
         )
 
 
@@ -416,6 +444,18 @@ def saving_checkpoint(
     """
     folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
     writer = args.should_save
+    foreign = foreign_checkpoint_files(folder) if writer and os.path.isdir(folder) else []
+    if foreign:  # files put there since the resume was checked: kept, in the folder moved out of the way
+        kept = _free_name(run_dir, f"replaced-{os.path.basename(folder)}")
+        os.replace(folder, kept)
+        logger.warning(
+            "%s held files that no run of opefo-train wrote (%s): the checkpoint this run saves at step %d takes its "
+            "place, and the earlier folder, with those files, is kept as %s.",
+            folder,
+            shown_files(foreign),
+            state.global_step,
+            kept,
+        )
     if writer and os.path.lexists(folder):
         try:
             remove_entry(folder)
@@ -434,9 +474,51 @@ def saving_checkpoint(
             save_run_options(folder, args)
             mark_checkpoint_complete(folder)
     if writer:
-        rotate_checkpoints(
-            run_dir, args.save_total_limit, best_model_checkpoint=state.best_model_checkpoint, use_mtime=True
-        )
+        rotate_run_checkpoints(run_dir, args.save_total_limit, best_model_checkpoint=state.best_model_checkpoint)
+
+
+def _free_name(folder: str, name: str) -> str:
+    path, number = os.path.join(folder, name), 1
+    while os.path.lexists(path):
+        number += 1
+        path = os.path.join(folder, f"{name}-{number}")
+    return path
+
+
+#: Checkpoints the rotation kept for the files a user put in them, each said once per process.
+_KEPT_FROM_ROTATION: set[str] = set()
+
+
+def rotate_run_checkpoints(run_dir: str, save_total_limit: int | None, best_model_checkpoint: str | None) -> None:
+    """``Trainer``'s rotation (``save_total_limit``: delete the oldest checkpoints, never the newest or the best one),
+    except that a checkpoint holding files its save did not write (:func:`foreign_checkpoint_files`, e.g. an
+    opefo-eval store a user put in it) is kept, said once, and does not count towards the limit."""
+    if save_total_limit is None or save_total_limit <= 0:
+        return
+    ordered = sort_checkpoints(run_dir, use_mtime=True)
+    own = []
+    for path in ordered:
+        foreign = foreign_checkpoint_files(path)
+        if not foreign:
+            own.append(path)
+        elif path != ordered[-1] and os.path.realpath(path) not in _KEPT_FROM_ROTATION:
+            _KEPT_FROM_ROTATION.add(os.path.realpath(path))
+            logger.warning(
+                "save_total_limit: %s is kept, not rotated out, and not counted in the limit: it holds files that "
+                "no run of opefo-train wrote (%s). Delete it yourself once you no longer need them.",
+                path,
+                shown_files(foreign),
+            )
+    protected = {own[-1]} if own else set()
+    if best_model_checkpoint is not None:
+        protected.add(str(Path(best_model_checkpoint)))
+    remaining = len(own)
+    for path in own:
+        if remaining <= max(save_total_limit, len(protected)):
+            break
+        if path not in protected:
+            shutil.rmtree(path, ignore_errors=True)
+            remaining -= 1
 
 
 def save_method_state(checkpoint: str, method: str, state: dict) -> None:

@@ -29,6 +29,9 @@ LOCK_NAME = ".opefo_run.lock"
 SET_ASIDE_DIR = ".opefo_overwritten"
 #: Where `opefo-train` saves the final model before moving its files into output_dir (named in the manifest first).
 FINAL_MODEL_STAGING = ".opefo_final_model"
+#: Written into the staging folder once ``save_model`` has returned on every process: the staged model is whole, and is
+#: moved into place (never deleted) by whatever finds it there, the next run after a kill included.
+FINAL_MODEL_SAVED = ".opefo_final_model_saved"
 CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 METRICS_RE = re.compile(r"^metrics(\.rank\d+)?\.jsonl$")
 #: Weight files `Trainer.save_model` writes (full model, shards and their index, a PEFT adapter).

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 
 from opefo_trl.runs.files import (
     CHECKPOINT_RE,
+    FINAL_MODEL_SAVED,
     FINAL_MODEL_STAGING,
     LOCK_NAME,
     MANIFEST_NAME,
@@ -288,16 +289,94 @@ def interrupted_run(output_dir: str) -> bool:
     )
 
 
+def _mark_final_model_saved(staging: str) -> None:
+    with open(os.path.join(staging, FINAL_MODEL_SAVED), "w") as f:
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(staging)
+
+
+def _move_final_model(output_dir: str, staging: str, declare: Callable[[list[str]], None] | None = None) -> list[str]:
+    """Move the files of the whole model staged in ``staging`` into ``output_dir``, each named in the manifest
+    (``declare``) before it lands there; returns their names. Raises :class:`RunFolderError` (the model left in
+    ``staging``) when one of them would replace a file no run of ours wrote."""
+    names = sorted(n for n in os.listdir(staging) if n != FINAL_MODEL_SAVED)
+    ours = set(read_manifest(output_dir) or [])
+    clashes = sorted(n for n in set(names) - ours if os.path.lexists(os.path.join(output_dir, n)))
+    if clashes:
+        raise RunFolderError(
+            f"The final model has {', '.join(clashes)}, which {output_dir} already holds and no run of ours wrote; "
+            f"the whole final model is kept in {staging}: move those files out of {output_dir} and run opefo-train "
+            "again (it moves the model into place), or take the model from there."
+        )
+    if declare is None:
+        record_in_manifest(output_dir, names)
+    else:
+        declare(names)
+    for name in names:
+        remove_entry(os.path.join(output_dir, name))
+        os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
+    fsync_dir(output_dir)
+    remove_entry(os.path.join(staging, FINAL_MODEL_SAVED))
+    os.rmdir(staging)
+    return names
+
+
+def _settle_final_model(output_dir: str) -> str | None:
+    """What a run left in the final model's staging folder: a whole model (``save_model`` returned) is moved into
+    place ("moved"), or kept there if it cannot be ("kept", logged with where it is); a save that did not finish is
+    removed ("removed"). None when there is no staging folder."""
+    staging = os.path.join(output_dir, FINAL_MODEL_STAGING)
+    if not os.path.lexists(staging):
+        return None
+    if not os.path.isfile(os.path.join(staging, FINAL_MODEL_SAVED)):
+        remove_entry(staging)
+        logger.warning(
+            "A run into %s was stopped while saving its final model: the incomplete save %s is removed, and %s holds "
+            "no final model (its last checkpoint, if any, holds the last weights it saved).",
+            output_dir,
+            staging,
+            output_dir,
+        )
+        return "removed"
+    try:
+        names = _move_final_model(output_dir, staging)
+    except RunFolderError as err:
+        logger.warning("%s", err)
+        return "kept"
+    if names:
+        logger.warning(
+            "A run into %s was stopped while moving its final model into place; its whole final model (%s) is now in "
+            "%s.",
+            output_dir,
+            ", ".join(names),
+            output_dir,
+        )
+    return "moved"
+
+
 def recover_interrupted_run(output_dir: str) -> list[str]:
     """Finish or undo what a killed run left half done (call it holding the lock); returns the names moved back.
 
-    The earlier run that an overwrite set aside before saving anything is moved back (the killed run's own entries
-    removed); a deletion of the entries set aside is finished; a final model not moved into place yet is removed.
+    A deletion of the entries set aside is finished. A final model whose save finished (``save_model`` returned) is
+    moved into place, never deleted; kept in its staging folder, and said so, if a file no run of ours wrote is in
+    its way; a save that did not finish is removed. An overwrite whose final model is whole has finished: the earlier
+    run it set aside is deleted, as the run would have. An overwrite that saved nothing is undone: the earlier run
+    is moved back, the killed run's own entries removed.
     """
     if os.path.isdir(os.path.join(output_dir, SET_ASIDE_DIR + ".discard")):
         _discard_set_aside(output_dir)
-    shutil.rmtree(os.path.join(output_dir, FINAL_MODEL_STAGING), ignore_errors=True)
+    final_model = _settle_final_model(output_dir)
     if not os.path.isdir(os.path.join(output_dir, SET_ASIDE_DIR)):
+        return []
+    if final_model == "moved":
+        _discard_set_aside(output_dir)
+        return []
+    if final_model == "kept":  # the killed run finished: its final model is not undone with the overwrite
+        logger.warning(
+            "The earlier run that run overwrote stays set aside in %s until its final model is in place.",
+            os.path.join(output_dir, SET_ASIDE_DIR),
+        )
         return []
     return _restore(output_dir)
 
@@ -364,21 +443,11 @@ class RunFolder:
             self.set_aside = []
 
     def publish_final_model(self, staging: str) -> list[str]:
-        """Move the files of a model saved into ``staging`` into output_dir, each named in the manifest before it
-        lands there; returns their names."""
-        names = sorted(os.listdir(staging))
-        ours = set(read_manifest(self.output_dir) or []) | set(self.declared)
-        clashes = sorted(n for n in set(names) - ours if os.path.lexists(os.path.join(self.output_dir, n)))
-        if clashes:
-            raise RunFolderError(
-                f"The final model has {', '.join(clashes)}, which {self.output_dir} already holds and no run of ours "
-                f"wrote; it is left in {staging}."
-            )
-        self.declare(names)
-        for name in names:
-            remove_entry(os.path.join(self.output_dir, name))
-            os.replace(os.path.join(staging, name), os.path.join(self.output_dir, name))
-        os.rmdir(staging)
+        """Move the files of a model saved into ``staging`` (``save_model`` has returned on every process) into
+        output_dir, each named in the manifest before it lands there; returns their names. The staged model is marked
+        whole first: from then on a kill leaves it for the next run to move into place, never to delete."""
+        _mark_final_model_saved(staging)
+        names = _move_final_model(self.output_dir, staging, self.declare)
         self.saved()
         return names
 
@@ -386,6 +455,8 @@ class RunFolder:
         """Release the folder. A run that failed before it saved anything moves the earlier run back; a run that
         wrote nothing leaves the folder as it found it."""
         try:
+            if _settle_final_model(self.output_dir) == "moved":  # e.g. interrupted (Ctrl-C) while moving it
+                self.saved()
             if not failed and os.path.isdir(self.output_dir):
                 self._refresh()  # e.g. the model card push_to_hub writes
             if failed and os.path.isdir(os.path.join(self.output_dir, SET_ASIDE_DIR)):
@@ -396,7 +467,6 @@ class RunFolder:
                     self.output_dir,
                 )
                 self.set_aside = []
-            shutil.rmtree(os.path.join(self.output_dir, FINAL_MODEL_STAGING), ignore_errors=True)
             try:
                 nothing_written = os.path.isdir(self.output_dir) and not run_files(self.output_dir)
             except RunFolderError:  # a damaged manifest, reported by whoever opened the folder

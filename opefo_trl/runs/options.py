@@ -116,12 +116,19 @@ def compare_options(saved: dict[str, Any], current: dict[str, Any]) -> tuple[lis
 
 def check_resume_options(checkpoint: str, args: Any) -> list[str]:
     """Refuse to resume ``checkpoint`` with options it would override or misread (:data:`REFUSED`), naming old and new
-    values; return the lines saying what else changes (an older checkpoint without the file: nothing to compare)."""
+    values; return the lines saying what else changes. A checkpoint without ``opefo_run_options.json`` (of an earlier
+    release) is compared through its ``training_args.bin``."""
     path = os.path.join(checkpoint, RUN_OPTIONS_NAME)
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        saved = json.load(f)
+    if os.path.isfile(path):
+        with open(path) as f:
+            saved = json.load(f)
+    else:
+        saved = _options_of_training_args(checkpoint)
+        if saved is None:
+            return [
+                f"Resuming {checkpoint}, which holds neither {RUN_OPTIONS_NAME} nor a readable training_args.bin: its "
+                "options are not compared with this run's (a changed learning rate or batch shape is not refused)."
+            ]
     refused, taken = compare_options(saved, run_options(args))
     if refused:
         reasons = [
@@ -135,6 +142,25 @@ def check_resume_options(checkpoint: str, args: Any) -> list[str]:
             f"{checkpoint}, without resume_from_checkpoint)."
         )
     return [f"Resuming {checkpoint} with {change} from step {_step(checkpoint)} on." for change in taken]
+
+
+def _options_of_training_args(checkpoint: str) -> dict[str, Any] | None:
+    """The compared options (but ``world_size``, which reads the current process group) from the checkpoint's
+    ``training_args.bin``, which every Trainer checkpoint holds (a checkpoint of a release that wrote no
+    ``opefo_run_options.json``); None if it cannot be read."""
+    import torch
+
+    path = os.path.join(checkpoint, "training_args.bin")
+    if not os.path.isfile(path):
+        return None
+    try:
+        # A pickle of the run's TrainingArguments, written by transformers' Trainer into the user's own checkpoint.
+        args = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception:  # noqa: BLE001 - unpicklable (classes since renamed): nothing to compare
+        return None
+    names = [n for group in REFUSED.values() for n in group if n != "world_size"] + list(TAKEN)
+    names += _method_options(args)
+    return {name: _plain(getattr(args, name)) for name in names if name in getattr(args, "__dict__", {})}
 
 
 def _step(checkpoint: str) -> str:

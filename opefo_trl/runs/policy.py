@@ -23,8 +23,15 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from opefo_trl.runs.checkpoint import check_checkpoint, check_steps_left, resume_checkpoint
+from opefo_trl.runs.checkpoint import (
+    check_checkpoint,
+    check_steps_left,
+    checkpoints,
+    foreign_checkpoint_files,
+    resume_checkpoint,
+)
 from opefo_trl.runs.files import (
+    CHECKPOINT_RE,
     METRICS_FILE,
     METRICS_FILE_PER_RANK,
     SET_ASIDE_DIR,
@@ -193,6 +200,7 @@ class OutputDirPolicy:
                 "--overwrite_output_dir true (deletes those files once the new run has saved its first checkpoint), "
                 "or give another --output_dir."
             )
+        self._check_checkpoint_contents(output_dir, earlier, resume if resumes_here else None)
         starts_from = [p for p in (self.model_name_or_path, resume) if p and os.path.isdir(os.path.expanduser(p))]
         if self.overwrite:
             for name in earlier:
@@ -205,6 +213,27 @@ class OutputDirPolicy:
         if resumes_here:
             for path in metrics_files(output_dir):
                 read_metrics_lines(path)  # a cut-off last line is dropped when training starts; a corrupt one is not
+
+    def _check_checkpoint_contents(self, output_dir: str, earlier: list[str], resume: str | None) -> None:
+        """Refuse an overwrite that would delete, or a resume that would save again over, a checkpoint holding files
+        that no run of ours wrote (:func:`~opefo_trl.runs.foreign_checkpoint_files`: an opefo-eval store, a note)."""
+        if self.overwrite:
+            doomed, why = [os.path.join(output_dir, n) for n in earlier if CHECKPOINT_RE.match(n)], "delete"
+        elif resume is not None and CHECKPOINT_RE.match(os.path.basename(os.path.normpath(resume))):
+            # its step by name: its files are checked after this (check_checkpoint), and may be damaged
+            step = int(CHECKPOINT_RE.match(os.path.basename(os.path.normpath(resume))).group(1))  # type: ignore[union-attr]
+            doomed = [path for later, path in checkpoints(output_dir) if later > step]
+            why = f"save again over (it trains the steps after {os.path.basename(os.path.normpath(resume))} anew)"
+        else:
+            return
+        for path in doomed:
+            foreign = foreign_checkpoint_files(path)
+            if foreign:
+                raise ValueError(
+                    f"{'overwrite_output_dir' if self.overwrite else 'This resume'} would {why} {path}, which holds "
+                    f"files that no run of opefo-train wrote: {_shown(foreign)}. Move them out of {path}, then run "
+                    "the command again."
+                )
 
     def check_resume(self, planned_steps: int) -> None:
         """Refuse to resume a checkpoint at or past the run's ``planned_steps``, or with options it would override

@@ -3,8 +3,9 @@
 - :func:`check_training_values`: settings that fail only at the first optimizer step or generation (a negative
   learning rate, no completion tokens, temperature 0, any number option that is inf or nan), refused when the
   trainer is built, before the model loads.
-- :func:`check_vllm_setup`: vLLM options the machine at hand cannot run (sleep mode or server mode's weight transfer
-  without a CUDA GPU, an attention head size vLLM's CPU backend refuses), refused before the model loads.
+- :func:`check_vllm_setup`: vLLM options the machine at hand cannot run (vLLM not installed, sleep mode or server
+  mode's weight transfer without a CUDA GPU, an attention head size vLLM's CPU backend refuses), refused before the
+  model loads.
 - :class:`RewardCheck`: what reward functions return, checked on every call. A function that raises, returns
   something other than one number (or None) per completion, or a reward that is inf, NaN or too large for TRL's
   float32 group statistics (:func:`largest_reward`) stops training with an
@@ -90,8 +91,58 @@ def check_training_values(args) -> None:
             f"temperature={args.temperature}: GRPO samples completions and scores their log-probabilities at this "
             "temperature, which must be > 0 (1.0 samples the policy as it is)"
         )
+    problems += _sampling_and_run_problems(args)
+    problems += vllm_option_problems(
+        getattr(args, "vllm_gpu_memory_utilization", None), getattr(args, "vllm_tensor_parallel_size", None)
+    )
     if problems:
         raise ValueError("; ".join(problems) + ".")
+
+
+def _sampling_and_run_problems(args) -> list[str]:
+    """Values TRL and transformers take that train nothing, something else than asked, or fail later."""
+    problems = []
+    if getattr(args, "max_steps", -1) == 0:
+        problems.append(
+            "max_steps=0 asks for no step, and transformers would still train one and save it as the final model; "
+            "give max_steps > 0, or -1 (the default) to train num_train_epochs"
+        )
+    top_p = getattr(args, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        problems.append(
+            f"top_p={top_p}: nucleus sampling keeps the most likely tokens whose probabilities add up to top_p, which "
+            "must be in (0, 1] (1.0 samples the policy as it is; near 0 every completion of a group is the same and "
+            "nothing trains)"
+        )
+    beta = getattr(args, "beta", 0.0)
+    if beta < 0:
+        problems.append(
+            f"beta={beta}: the KL coefficient must be >= 0 (0: no KL term, TRL's default); a negative one rewards "
+            "moving away from the reference model"
+        )
+    for option in ("seed", "data_seed"):
+        value = getattr(args, option, None)
+        if value is not None and not 0 <= value < 2**32:
+            problems.append(f"{option}={value}: seeds must be in [0, 2**32 - 1] (numpy's range)")
+    return problems
+
+
+def vllm_option_problems(gpu_memory_utilization: float | None, tensor_parallel_size: int | None) -> list[str]:
+    """What is wrong with vLLM's memory fraction and tensor-parallel size (opefo-train's and opefo-eval's check).
+
+    >>> vllm_option_problems(1.5, 0)  # doctest: +NORMALIZE_WHITESPACE
+    ["vllm_gpu_memory_utilization must be in (0, 1] (a fraction of the GPU's memory), got 1.5",
+     'vllm_tensor_parallel_size must be at least 1, got 0']
+    """
+    problems = []
+    if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+        problems.append(
+            "vllm_gpu_memory_utilization must be in (0, 1] (a fraction of the GPU's memory), got "
+            f"{gpu_memory_utilization}"
+        )
+    if tensor_parallel_size is not None and tensor_parallel_size < 1:
+        problems.append(f"vllm_tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
+    return problems
 
 
 def check_vllm_setup(args, model: Any) -> None:
@@ -103,6 +154,8 @@ def check_vllm_setup(args, model: Any) -> None:
     """
     if not getattr(args, "use_vllm", False):
         return
+    import importlib.util
+
     import torch
 
     on_cuda = torch.cuda.is_available() and not args.use_cpu
@@ -118,18 +171,85 @@ def check_vllm_setup(args, model: Any) -> None:
             f"side ({'use_cpu=True' if args.use_cpu else 'no CUDA GPU found'}); use vllm_mode='colocate', or train on "
             "a GPU"
         )
-    if args.vllm_mode == "colocate":
+    if importlib.util.find_spec("vllm") is None:  # TRL finds out after the model has loaded
+        problems.append(
+            "use_vllm=True but vLLM is not installed: `pip install 'opefo-trl[vllm]'` (on a machine with a CUDA GPU), "
+            "or set use_vllm=False (--use_vllm false) to generate with transformers"
+        )
+    elif args.vllm_mode == "colocate":
         problems += _vllm_head_size_problems(model)
     if problems:
         raise ValueError("; ".join(problems) + ".")
 
 
+def active_dropout(model: Any, *, modules: bool = True, trust_remote_code: bool = False) -> list[str]:
+    """``name=p`` of the dropout ``model`` (a path, a hub id, a config or a loaded model) trains with: its config's
+    dropout probabilities above 0 (which TRL's ``disable_dropout`` leaves as they are) and, for a loaded model with
+    ``modules``, its ``torch.nn.Dropout`` modules with p > 0 (which ``disable_dropout`` zeroes).
+
+    >>> from transformers import Qwen2Config
+    >>> active_dropout(Qwen2Config(attention_dropout=0.1)), active_dropout(Qwen2Config())
+    (['attention_dropout=0.1'], [])
+    """
+    import torch
+    from transformers import PretrainedConfig
+
+    loaded: list[tuple[str, torch.nn.Module]] = []
+    config: Any
+    if isinstance(model, PretrainedConfig):
+        config = model
+    elif isinstance(model, str):
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError):
+            return []  # not readable here: loading reports it
+    else:
+        config, loaded = getattr(model, "config", None), list(model.named_modules())
+    found = []
+    if config is not None:
+        for name, value in sorted(config.get_text_config().to_dict().items()):
+            if ("dropout" in name or "pdrop" in name) and isinstance(value, float) and value > 0:
+                found.append(f"{name}={value}")
+    dropouts = [(n, m.p) for n, m in loaded if isinstance(m, torch.nn.Dropout) and m.p > 0] if modules else []
+    if dropouts:
+        found.append(f"{len(dropouts)} torch.nn.Dropout module(s) (first: {dropouts[0][0]}, p={dropouts[0][1]})")
+    return found
+
+
+def check_dropout(args, model: Any, peft_config: Any = None) -> None:
+    """Dropout in TRL's training pass, which drops units that the rollout's scoring passes keep: refused by a method
+    that weighs tokens, the diagnostics switched off (with a warning) otherwise
+    (:func:`~opefo_trl.trainer.config.refuse_or_switch_off_diagnostics`). Checked when the trainer is built, before
+    the model loads: the config's dropout probabilities, and with ``disable_dropout=False`` also the model's
+    ``torch.nn.Dropout`` modules (a loaded model) and LoRA's ``lora_dropout`` (``peft_config``)."""
+    from opefo_trl.methods import get_token_method_class
+    from opefo_trl.trainer.config import refuse_or_switch_off_diagnostics
+
+    method_class = get_token_method_class(args.method)
+    if not (method_class.weighs_tokens() or args.entropy_flow_diagnostics):
+        return
+    disabled = getattr(args, "disable_dropout", False)
+    found = active_dropout(model, modules=not disabled, trust_remote_code=getattr(args, "trust_remote_code", False))
+    lora_dropout = getattr(peft_config, "lora_dropout", 0.0) or 0.0
+    if not disabled and lora_dropout > 0:
+        found.append(f"lora_dropout={lora_dropout}")
+    if found:
+        refuse_or_switch_off_diagnostics(
+            args,
+            method_class,
+            f"dropout in training ({', '.join(found)}; disable_dropout={disabled})",
+            "TRL's training pass then drops units that the rollout's scoring passes keep, so its gradient is taken "
+            "at other log-probabilities",
+            "Set disable_dropout=True (it zeroes torch.nn.Dropout, LoRA's dropout included) and any dropout "
+            "probability of the model's config to 0",
+        )
+
+
 def _vllm_head_size_problems(model: Any) -> list[str]:
     """The model's attention head size, if vLLM runs on its CPU platform here and its attention refuses that size."""
-    import importlib.util
 
-    if importlib.util.find_spec("vllm") is None:
-        return []  # TRL refuses use_vllm without vLLM
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():

@@ -149,6 +149,11 @@ class OPEFOConfig(GRPOConfig, EntropyFlowSettings, *settings_classes(BUILTIN_MET
     )
 
     def __post_init__(self):
+        if isinstance(self.num_generations, int) and self.num_generations < 2:  # GRPOConfig divides by it first
+            raise ValueError(
+                f"num_generations={self.num_generations}: GRPO compares each completion with the others of its "
+                "prompt's group, so it needs at least 2 completions per prompt (e.g. 8)."
+            )
         super().__post_init__()
         validate_opefo_settings(self)
 
@@ -243,46 +248,85 @@ def uses_loss_factor(args, method_class: type[TokenMethod]) -> bool:
     return method_class.weighs_tokens() or args.entropy_flow_diagnostics
 
 
-def _unmodelled_update(args) -> tuple[str, str] | None:
-    """Why the per-token factor does not describe the update TRL applies under ``args``, and the setting that it does
-    describe (None: it describes it)."""
-    if args.importance_sampling_level == "sequence":
-        return (
-            "importance_sampling_level='sequence' is not modelled by OPEFOTrainer: TRL then weights each completion by "
-            "exp(the mean of its tokens' log-ratios), so a token's weight moves the whole sequence's log-probabilities "
-            "(1/n_i sum_s grad log pi_s) instead of its own, and the per-token factor, the entropy flow and the "
-            "balance would describe an update that is not applied",
-            "importance_sampling_level='token' (TRL's default)",
-        )
-    if args.delta is not None and args.delta < 1.0:
-        return (
-            f"delta={args.delta}: TRL's two-sided clip caps the ratio at delta, which below 1 removes the gradient of "
-            "every positive-advantage token even on-policy; the per-token factor does not model that",
-            "delta >= 1 (TRL recommends > 1 + epsilon) or None",
-        )
-    return None
-
-
 def _refuse_unmodelled_updates(args, method_class: type[TokenMethod]) -> None:
     """The GRPOConfig options whose update the per-token factor does not model (docs/algorithm.md section 2 lists every
-    option that changes the update): refused for a method that weighs tokens by it; for a method that does not (plain
-    GRPO's drop-in), the diagnostics that would read it are switched off with one warning, and training goes on."""
-    unmodelled = _unmodelled_update(args)
-    if unmodelled is None:
+    option that changes the update)."""
+    if args.importance_sampling_level == "sequence":
+        refuse_or_switch_off_diagnostics(
+            args,
+            method_class,
+            "importance_sampling_level='sequence'",
+            "TRL then weights each completion by exp(the mean of its tokens' log-ratios), so a token's weight moves "
+            "the whole sequence's log-probabilities (1/n_i sum_s grad log pi_s) instead of its own, and the per-token "
+            "factor, the entropy flow and the balance would describe an update that is not applied",
+            "Set importance_sampling_level='token' (TRL's default)",
+        )
+    if args.delta is not None and args.delta < 1.0:
+        refuse_or_switch_off_diagnostics(
+            args,
+            method_class,
+            f"delta={args.delta}",
+            "TRL's two-sided clip caps the ratio at delta, which below 1 removes the gradient of every "
+            "positive-advantage token even on-policy",
+            "Set delta >= 1 (TRL recommends > 1 + epsilon) or None",
+        )
+
+
+#: TRL's loss types that clip the ratio to [1 - epsilon, 1 + epsilon_high].
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+def _check_clip_range(args) -> None:
+    """The clip range [1 - epsilon, 1 + epsilon_high] of the clipped loss types: epsilon <= 0 clips every token's
+    ratio to 1 (nothing trains off the first micro-batch), a negative one turns the clip inside out, and an
+    epsilon_high below epsilon is a typo for clip-higher (DAPO: epsilon_high > epsilon)."""
+    if args.loss_type not in CLIPPED_LOSS_TYPES:
         return
-    reason, fix = unmodelled
+    if args.epsilon <= 0:
+        raise ValueError(
+            f"epsilon={args.epsilon}: the clip range [1 - epsilon, 1 + epsilon_high] needs epsilon > 0 (TRL's default "
+            "0.2)."
+        )
+    if args.epsilon_high is not None and args.epsilon_high < args.epsilon:
+        raise ValueError(
+            f"epsilon_high={args.epsilon_high} is below epsilon={args.epsilon}: the clip range is [1 - epsilon, "
+            "1 + epsilon_high], and clip-higher (DAPO) raises its upper end (e.g. epsilon_high=0.28 with "
+            "epsilon=0.2). Set epsilon_high >= epsilon, or leave it unset (= epsilon)."
+        )
+
+
+def refuse_or_switch_off_diagnostics(args, method_class: type[TokenMethod], option: str, why: str, fix: str) -> None:
+    """An option (``option``, e.g. ``"neftune_noise_alpha=5.0"``) under which TRL's training pass is not the pass
+    the per-token factor and the flows describe (``why``; ``fix``: how to train as they describe): refused by a method
+    that weighs tokens (its update would be wrong); under one that does not (plain GRPO's drop-in), the entropy-flow
+    diagnostics, which would describe another update, are switched off with one warning, and training goes on as
+    GRPOTrainer's would."""
     if method_class.weighs_tokens():
         raise ValueError(
-            f"{reason} (method={args.method!r}). Set {fix}, or, for plain GRPO with this option, method='grpo' (its "
-            "entropy-flow diagnostics are then off)."
+            f"{option} is not modelled by OPEFOTrainer: {why}, and method={args.method!r} would weigh tokens for an "
+            f"update that is not the one applied. {fix}, or use method='grpo' (TRL's own update)."
         )
     if args.entropy_flow_diagnostics:
-        warnings.warn(
-            f"{reason}. The entropy-flow diagnostics are switched off for this run (entropy_flow_diagnostics=False); "
-            f"method={args.method!r} trains as GRPOTrainer would.",
-            stacklevel=4,
-        )
         args.entropy_flow_diagnostics = False
+        warnings.warn(
+            f"{option} is not modelled by OPEFOTrainer: {why}. The entropy-flow diagnostics, which would describe "
+            f"another update, are switched off for this run (entropy_flow_diagnostics=False); method={args.method!r} "
+            "trains as GRPOTrainer would.",
+            stacklevel=2,
+        )
+
+
+def _check_noise(args, method_class: type[TokenMethod]) -> None:
+    alpha = getattr(args, "neftune_noise_alpha", None)
+    if alpha is not None:
+        refuse_or_switch_off_diagnostics(
+            args,
+            method_class,
+            f"neftune_noise_alpha={alpha}",
+            "NEFTune adds noise to the input embeddings in TRL's training pass, so its gradient is taken at other "
+            "log-probabilities than the rollout was scored with",
+            "Remove neftune_noise_alpha",
+        )
 
 
 def validate_opefo_settings(args) -> None:
@@ -295,11 +339,13 @@ def validate_opefo_settings(args) -> None:
     # GRPOConfig only rejects some of these when the first batch reaches them: fail at configuration time.
     for name, valid in TRL_CHOICES.items():
         check_choice(name, getattr(args, name), valid)
+    _check_clip_range(args)
     method_class = get_token_method_class(args.method)  # unknown name: error listing the valid ones
     method_class.settings_from(args)  # the selected method's settings validate on construction
     _refuse_settings_of_other_methods(args, method_class)
     method_class.check_config(args)
     _refuse_unmodelled_updates(args, method_class)
+    _check_noise(args, method_class)
     check_choice("entropy_flow_estimate", args.entropy_flow_estimate, FLOW_ESTIMATES)
     check_choice("entropy_flow_preconditioner", args.entropy_flow_preconditioner, PRECONDITIONERS)
     check_choice("entropy_flow_entropy", args.entropy_flow_entropy, ENTROPIES)
@@ -365,7 +411,8 @@ def _refuse_settings_of_other_methods(args, method_class) -> None:
 
 
 def with_opefo_settings(args: GRPOConfig) -> OPEFOConfig:
-    """Give a plain `GRPOConfig` (or a user's subclass) the OPEFO options, in place, and validate them.
+    """Give a plain `GRPOConfig` (or a user's subclass) the OPEFO options, in place, and validate them (an
+    `OPEFOConfig` is validated again: its fields may have been set after it was built).
 
     The object keeps its class, its identity and its own extra fields, as `GRPOTrainer` keeps the config it is
     given; options it already has as attributes (e.g. ``args.method = "grpo"`` set by the user) are kept.
@@ -381,7 +428,9 @@ def with_opefo_settings(args: GRPOConfig) -> OPEFOConfig:
         for f in _opefo_fields():
             if not hasattr(args, f.name):
                 setattr(args, f.name, _default(f))
-        validate_opefo_settings(args)
+    # Also an OPEFOConfig, checked when built: an option set on it since (e.g. importance_sampling_level="sequence")
+    # is seen here, from TRL's own fields, before the trainer is built.
+    validate_opefo_settings(args)
     # Typed as an OPEFOConfig: it now has every attribute of one, whatever its class.
     return cast(OPEFOConfig, args)
 

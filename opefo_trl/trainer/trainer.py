@@ -52,7 +52,7 @@ from opefo_trl.runs import (  # noqa: E402
     saving_checkpoint,
 )
 from opefo_trl.trainer import model_setup  # noqa: E402
-from opefo_trl.trainer.checks import check_training_values, check_vllm_setup  # noqa: E402
+from opefo_trl.trainer.checks import check_dropout, check_training_values, check_vllm_setup  # noqa: E402
 from opefo_trl.trainer.config import OPEFOConfig, with_opefo_settings  # noqa: E402
 from opefo_trl.trainer.parts import TrainerAccess, build_parts  # noqa: E402
 from opefo_trl.trainer.probe import check_probe_dataset  # noqa: E402
@@ -118,6 +118,7 @@ class OPEFOTrainer(GRPOTrainer):
         args = with_opefo_settings(args)
         check_training_values(args)
         check_vllm_setup(args, model)
+        check_dropout(args, model, kwargs.get("peft_config"))
         self.token_method: TokenMethod = get_token_method_class(args.method).from_config(args)
         probe_prompts = check_probe_dataset(probe_dataset, args, self.token_method.needs_rollout_pass)
         model_setup.keep_float64_head(model, args)

@@ -250,3 +250,53 @@ def test_an_output_dir_that_cannot_be_written_is_one_line_before_loading(
         err = capsys.readouterr().err
         assert err.startswith(f"opefo-eval: error: Cannot write into output_dir '{out}' (") and "Traceback" not in err
         assert "give a folder this user can write to." in err
+
+
+@pytest.mark.parametrize(
+    "device, message",
+    [
+        ("tpu9", "device='tpu9' is not a torch device (Invalid device string: 'tpu9'); give cpu, cuda"),
+        ("cuda", "device='cuda' but this machine has no CUDA GPU that torch can use"),
+        ("cuda:0", "device='cuda:0' but this machine has no CUDA GPU that torch can use"),
+    ],
+)
+def test_a_device_this_machine_does_not_have_is_one_line_before_loading(
+    device, message, tiny_model_path, bench_file, tmp_path, capsys, monkeypatch, no_model_loading
+):
+    """O: `--device cuda` on a machine without CUDA, and `--device tpu9`, were tracebacks."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU machine, also where a GPU is
+    out = tmp_path / "eval"
+    argv = ["--model_name_or_path", tiny_model_path, "--benchmarks", bench_file, "--output_dir", str(out)]
+    assert main([*argv, "--backend", "transformers", "--no_progress", "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"opefo-eval: error: {message}") and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_a_model_whose_weights_hold_nan_is_refused_before_loading(
+    tiny_model_path, bench_file, tmp_path, capsys, no_model_loading
+):
+    """G: its empty completions were scored 0.0, exit 0, as if it had answered wrongly."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "diverged"
+    shutil.copytree(tiny_model_path, model)
+    weights = load_file(str(model / "model.safetensors"))
+    weights["model.norm.weight"][0] = float("inf")
+    weights["model.layers.0.mlp.up_proj.weight"][1, 2] = float("nan")
+    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+    assert torch.isfinite(weights["model.embed_tokens.weight"]).all()
+    out = tmp_path / "eval"
+    argv = ["--model_name_or_path", str(model), "--benchmarks", bench_file, "--output_dir", str(out)]
+    assert main([*argv, "--backend", "transformers", "--no_progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"opefo-eval: error: The weights of {model} hold NaN or inf (2 tensor(s): "
+        "model/model.safetensors:model.layers.0.mlp.up_proj.weight, model/model.safetensors:model.norm.weight)"
+    )
+    assert "Traceback" not in err and not out.exists()

@@ -1364,6 +1364,107 @@ def test_a_run_that_would_train_no_step_is_refused_before_loading(
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--max_steps", "0"], "max_steps=0 asks for no step, and transformers would still train one"),
+        (["--top_p", "0"], "top_p=0.0: nucleus sampling keeps the most likely tokens"),
+        (["--top_p", "1.5"], "top_p=1.5: nucleus sampling keeps the most likely tokens"),
+        (["--beta", "-0.1"], "beta=-0.1: the KL coefficient must be >= 0"),
+        (["--num_generations", "0"], "num_generations=0: GRPO compares each completion with the others"),
+        (["--seed", "-1"], "seed=-1: seeds must be in [0, 2**32 - 1]"),
+        (["--epsilon", "-0.2"], "epsilon=-0.2: the clip range [1 - epsilon, 1 + epsilon_high] needs epsilon > 0"),
+        (["--epsilon", "0"], "epsilon=0.0: the clip range [1 - epsilon, 1 + epsilon_high] needs epsilon > 0"),
+        (["--epsilon_high", "0.1"], "epsilon_high=0.1 is below epsilon=0.2"),
+        (["--vllm_gpu_memory_utilization", "1.5"], "vllm_gpu_memory_utilization must be in (0, 1]"),
+        (["--vllm_gpu_memory_utilization", "0"], "vllm_gpu_memory_utilization must be in (0, 1]"),
+        (["--vllm_tensor_parallel_size", "0"], "vllm_tensor_parallel_size must be at least 1, got 0."),
+        (["--context_length", "8192"], "context_length=8192 is above the 1024 positions of"),
+        (["--use_peft", "true"], "dropout in training (lora_dropout=0.05; disable_dropout=False) is not modelled"),
+    ],
+)
+def test_values_that_train_nothing_or_something_else_are_refused_before_loading(
+    extra, message, tiny_model_path, problems_file, tmp_path, no_model_loading, capsys
+):
+    """D, F, J, P, Q, N: each of these trained silently (or something else than asked), or failed with a traceback."""
+    out = tmp_path / "out"
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(out)), *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"opefo-train: error: {message}" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_a_context_length_beyond_the_models_positions_is_taken_when_said(
+    tiny_model_path, problems_file, tmp_path, monkeypatch
+):
+    import opefo_trl.cli.train as cli
+
+    checked = []
+    monkeypatch.setattr(cli, "output_dir_policy", lambda *a: checked.append(a) or _NoPolicy())
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "out"))]
+    script_args, training_args, model_args = parse_args([*argv, "--context_length", "8192"])
+    with pytest.raises(ValueError, match="--context_length_beyond_model true if the model does handle"):
+        cli.prepare_inputs(script_args, training_args, model_args)
+    script_args, training_args, model_args = parse_args(
+        [*argv, "--context_length", "8192", "--context_length_beyond_model", "true"]
+    )
+    dataset, _ = cli.prepare_inputs(script_args, training_args, model_args)
+    assert len(dataset) == 16
+
+
+class _NoPolicy:
+    def check(self):
+        pass
+
+    def check_resume(self, steps):
+        pass
+
+
+@pytest.mark.parametrize("mode, message", [("server", "vllm_mode='server' sends the weights to the server over NCCL")])
+def test_vllm_refusals_are_one_line_before_loading(
+    mode, message, tiny_model_path, problems_file, tmp_path, no_model_loading, monkeypatch, capsys
+):
+    """M, N: use_vllm without vLLM installed failed after the model loaded; the refusals of what this machine cannot
+    run with vLLM were a ValueError traceback."""
+    import importlib.util
+
+    out = tmp_path / "out"
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(out)), "--use_vllm", "true"]
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("opefo-train: error: ") and len(err.strip().splitlines()) == 1
+    assert "use_vllm=True but vLLM is not installed: `pip install 'opefo-trl[vllm]'`" in err
+    installed = importlib.machinery.ModuleSpec("vllm", None)
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: installed if name == "vllm" else real_find_spec(name)
+    )
+    assert main([*argv, "--vllm_mode", mode]) == 2
+    err = capsys.readouterr().err
+    assert f"opefo-train: error: {message}" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "gold, shown", [({"v": "27"}, "is a dict ({'v': '27'})"), (True, "is a bool (True)"), ([1, False], "is a bool")]
+)
+def test_a_gold_answer_of_the_wrong_type_is_refused_naming_column_and_row(
+    gold, shown, tiny_model_path, problems_file, tmp_path, no_model_loading, capsys
+):
+    """K: a dict or a bool reached the rewards as its Python repr ("{'v': '27'}", 'True')."""
+    rows = [json.loads(line) for line in open(problems_file)]
+    rows[5]["solution"] = gold
+    data = tmp_path / "typed.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "out"
+    assert main(["--config", RECIPE, *_cpu_overrides(tiny_model_path, str(data), str(out))]) == 2
+    err = capsys.readouterr().err
+    assert f"opefo-train: error: The gold answer in column 'solution', row 5, {shown}" in err
+    assert "Traceback" not in err and not out.exists()
+
+
 KILLED_FINAL_SAVE = """
 import os, signal, sys
 
@@ -1418,6 +1519,146 @@ def test_a_resume_of_a_finished_run_trains_nothing_and_keeps_its_final_model(
     assert main([*killed_argv, "--resume_from_checkpoint", "true"]) == 2
     assert f"Nothing to resume: {killed_dir / 'checkpoint-2'} is at step 2" in capsys.readouterr().err
     assert (killed_dir / "metrics.jsonl").read_text() == metrics and snapshot(killed_dir / "checkpoint-2") == checkpoint
+
+
+KILLED_MID_MOVE = """
+import os, signal, sys
+
+import opefo_trl.runs.folder as folder
+
+original = folder.remove_entry
+moving = []
+
+
+def killed_after_the_first_file_moved(path):
+    staged = os.path.join(os.path.dirname(path), ".opefo_final_model", os.path.basename(path))
+    if os.path.exists(staged):  # about to move this file of the saved final model into place
+        moving.append(path)
+        if len(moving) == 2:  # one file is in place, the others still staged: the signal the test names
+            os.kill(os.getpid(), getattr(signal, os.environ["OPEFO_KILL_SIGNAL"]))
+    original(path)
+
+
+folder.remove_entry = killed_after_the_first_file_moved
+from opefo_trl.cli.train import main
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize(
+    "save, signal_name, resume",
+    [("no", "SIGKILL", False), ("steps", "SIGKILL", True), ("no", "SIGTERM", True), ("steps", "SIGHUP", False)],
+)
+def test_a_final_model_whose_move_was_killed_is_moved_into_place_by_the_next_command(
+    save, signal_name, resume, tiny_model_path, problems_file, tmp_path, reward_module, caplog, capsys
+):
+    """B: a run killed while moving its saved final model into place left the whole model staged in
+    .opefo_final_model, and the next command (refused, as a rerun or a resume) deleted it: the only copy of the
+    training when no checkpoint was saved. Now the next command moves it into place, and says so."""
+    import signal
+
+    from opefo_trl.runs import FINAL_MODEL_STAGING, read_manifest, run_files
+
+    out = tmp_path / "out"
+    reward = ["--reward_funcs", "opefo_cli_test_rewards.digit_overlap_reward"]
+    saving = ["--save_strategy", "no"] if save == "no" else ["--save_steps", "1"]
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(out), max_steps=2), *reward]
+    killed = _start(
+        tmp_path / "..", [*argv, *saving], KILLED_MID_MOVE, PYTHONPATH=str(tmp_path), OPEFO_KILL_SIGNAL=signal_name
+    )
+    output = killed.communicate(timeout=600)[0].decode()
+    assert killed.returncode == -getattr(signal, signal_name), output[-3000:]
+    staging = out / FINAL_MODEL_STAGING
+    staged = {n: (staging / n).read_bytes() for n in os.listdir(staging) if not n.startswith(".")}
+    run_own = ("metrics.jsonl", "README.md")  # README.md: the model card each checkpoint save writes
+    named = [n for n in read_manifest(str(out)) if n not in run_own and not n.startswith("checkpoint-")]
+    in_place = {n: (out / n).read_bytes() for n in named if (out / n).exists()}
+    assert len(in_place) == 1 and set(named) == {*staged, *in_place}  # killed half way through the move
+    assert "model.safetensors" in staged
+    final_model = {**staged, **in_place}
+
+    with caplog.at_level("WARNING"):
+        assert main([*argv, *saving, *(["--resume_from_checkpoint", "true"] if resume else [])]) == 2
+    err = capsys.readouterr().err
+    assert {n: (out / n).read_bytes() for n in final_model if (out / n).exists()} == final_model  # byte for byte
+    assert not staging.exists() and set(final_model) <= set(run_files(str(out)))
+    assert f"its whole final model ({', '.join(sorted(staged))}) is now in {out}" in caplog.text
+    if save == "steps" and resume:
+        assert f"Nothing to resume: {out / 'checkpoint-2'} is at step 2" in err
+        assert f"its final model in {out} is left as it is" in err
+    elif resume:
+        assert "opefo-train: error: " in err and "Traceback" not in err
+    else:
+        assert f"opefo-train: error: output_dir '{out}' holds an earlier run (" in err and "model.safetensors" in err
+
+
+def test_a_checkpoint_without_its_options_file_is_compared_through_its_training_args(
+    tiny_model_path, problems_file, tmp_path, reward_module, capsys, snapshot
+):
+    """E: a checkpoint of the previous release (no opefo_run_options.json) resumed with another learning rate or
+    num_generations gave exit 0, and the restored scheduler kept the old learning rate."""
+    from opefo_trl.runs import RUN_OPTIONS_NAME, mark_checkpoint_complete
+
+    out = tmp_path / "out"
+    reward = ["--reward_funcs", "opefo_cli_test_rewards.digit_overlap_reward"]
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(out), save_steps=1), *reward]
+    assert main(argv) == 0
+    checkpoint = out / "checkpoint-1"
+    os.remove(checkpoint / RUN_OPTIONS_NAME)
+    mark_checkpoint_complete(str(checkpoint))  # whole, as the previous release wrote it
+    capsys.readouterr()
+    before = snapshot(tmp_path)
+    resume = [*argv, "--max_steps", "2", "--resume_from_checkpoint", "true"]
+    for extra, refused in (
+        (["--learning_rate", "1e-3"], "learning_rate 2.83e-06 -> 0.001: the checkpoint's scheduler and optimizer"),
+        (["--num_generations", "4"], "num_generations 2 -> 4: the steps already trained would stand for other"),
+    ):
+        assert main([*resume, *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"opefo-train: error: Cannot resume {checkpoint} with other options than it was trained with: " in err
+        assert refused in err and "Traceback" not in err
+        assert snapshot(tmp_path) == before
+    assert main(resume) == 0
+
+
+def test_files_a_user_put_inside_a_checkpoint_are_never_deleted_unsaid(
+    tiny_model_path, problems_file, tmp_path, reward_module, capsys, caplog, snapshot
+):
+    """A: an overwrite, a resume that saves a step again, and save_total_limit deleted the user's files inside a
+    checkpoint (an `opefo-eval -o run/checkpoint-1/eval` store, a note), exit 0 and nothing said."""
+    out = tmp_path / "out"
+    reward = ["--reward_funcs", "opefo_cli_test_rewards.digit_overlap_reward"]
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(out), save_steps=1), *reward]
+    assert main([*argv, "--max_steps", "2"]) == 0
+    (out / "checkpoint-1" / "eval").mkdir()
+    (out / "checkpoint-1" / "eval" / "samples.jsonl").write_text('{"sample": 1}\n')
+    (out / "checkpoint-2" / "notes.txt").write_text("lr too low?")
+    capsys.readouterr()
+    before = snapshot(tmp_path)
+
+    assert main([*argv, "--max_steps", "2", "--overwrite_output_dir", "true"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"opefo-train: error: overwrite_output_dir would delete {out / 'checkpoint-1'}, which holds files that no run "
+        f"of opefo-train wrote: eval/samples.jsonl. Move them out of {out / 'checkpoint-1'}, then run the command "
+        "again."
+    ) in err
+    assert snapshot(tmp_path) == before
+    resume_1 = ["--max_steps", "2", "--resume_from_checkpoint", str(out / "checkpoint-1")]
+    assert main([*argv, *resume_1]) == 2
+    assert (
+        f"opefo-train: error: This resume would save again over (it trains the steps after checkpoint-1 anew) "
+        f"{out / 'checkpoint-2'}, which holds files that no run of opefo-train wrote: notes.txt."
+    ) in capsys.readouterr().err
+    assert snapshot(tmp_path) == before
+
+    os.remove(out / "checkpoint-2" / "notes.txt")
+    with caplog.at_level("WARNING"):
+        assert main([*argv, "--max_steps", "3", "--save_total_limit", "1", "--resume_from_checkpoint", "true"]) == 0
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-1", "checkpoint-3"]
+    assert (out / "checkpoint-1" / "eval" / "samples.jsonl").read_text() == '{"sample": 1}\n'
+    assert f"save_total_limit: {out / 'checkpoint-1'} is kept, not rotated out" in caplog.text
 
 
 def test_a_resume_with_options_the_checkpoint_would_override_is_refused_and_others_are_said(

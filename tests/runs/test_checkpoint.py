@@ -413,3 +413,33 @@ def test_a_full_disk_that_torch_reports_as_its_own_error_is_named(tmp_path, monk
         "[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 0). The unfinished checkpoint was removed."
     )
     assert os.listdir(tmp_path) == []
+
+
+def test_the_rotation_keeps_a_checkpoint_holding_a_users_files_and_does_not_count_it(tmp_path, caplog):
+    """A: save_total_limit deleted a checkpoint with the user's files in it (an opefo-eval store, a note), unsaid."""
+    for step in (1, 2):
+        _save(tmp_path, step, limit=2)
+    (tmp_path / "checkpoint-1" / "eval").mkdir()
+    (tmp_path / "checkpoint-1" / "eval" / "samples.jsonl").write_text("{}\n")
+    with caplog.at_level("WARNING"):
+        _save(tmp_path, 3, limit=2)
+        _save(tmp_path, 4, limit=2)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1", "checkpoint-3", "checkpoint-4"]
+    assert (tmp_path / "checkpoint-1" / "eval" / "samples.jsonl").read_text() == "{}\n"
+    assert caplog.text.count(f"save_total_limit: {tmp_path / 'checkpoint-1'} is kept, not rotated out") == 1
+    assert "no run of opefo-train wrote (eval/samples.jsonl)" in caplog.text
+    from opefo_trl.runs import foreign_checkpoint_files
+
+    assert foreign_checkpoint_files(str(tmp_path / "checkpoint-1")) == [os.path.join("eval", "samples.jsonl")]
+    assert foreign_checkpoint_files(str(tmp_path / "checkpoint-4")) == []
+
+
+def test_a_step_saved_again_over_a_checkpoint_holding_a_users_files_keeps_them(tmp_path, caplog):
+    _save(tmp_path, 1)
+    (tmp_path / "checkpoint-1" / "notes.txt").write_text("mine")
+    with caplog.at_level("WARNING"):
+        _save(tmp_path, 1)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1", "replaced-checkpoint-1"]
+    assert (tmp_path / "replaced-checkpoint-1" / "notes.txt").read_text() == "mine"
+    assert not (tmp_path / "checkpoint-1" / "notes.txt").exists()
+    assert f"the earlier folder, with those files, is kept as {tmp_path / 'replaced-checkpoint-1'}" in caplog.text

@@ -13,6 +13,7 @@ import textwrap
 import pytest
 
 from opefo_trl.runs import (
+    FINAL_MODEL_STAGING,
     LOCK_NAME,
     MANIFEST_NAME,
     SET_ASIDE_DIR,
@@ -27,6 +28,7 @@ from opefo_trl.runs import (
     recover_interrupted_run,
     run_files,
 )
+from opefo_trl.runs.files import FINAL_MODEL_SAVED
 
 
 def test_run_files_are_what_the_manifest_lists_and_foreign_entries_the_rest(saved_run):
@@ -180,3 +182,63 @@ def test_overwriting_a_run_whose_files_are_all_gone_sets_nothing_aside(tmp_path,
     run.close(failed=False)
     before = snapshot(folder)
     assert recover_interrupted_run(str(folder)) == [] and snapshot(folder) == before  # the next run deletes nothing
+
+
+def _stage_final_model(folder, saved: bool):
+    """What a run killed while saving (``saved`` False) or moving (True) its final model leaves in its staging."""
+    staging = folder / FINAL_MODEL_STAGING
+    staging.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (staging / name).write_text(f"new {name}")
+    if saved:
+        (staging / FINAL_MODEL_SAVED).write_text("")
+    return staging
+
+
+def test_an_overwrite_killed_while_moving_its_final_model_finishes_the_move_and_the_overwrite(saved_run, caplog):
+    """B: the next run deleted the staged final model (the only copy of a run without checkpoints) and moved the
+    earlier run back; the overwrite had finished: its final model goes into place, the earlier run is deleted."""
+    kept = {"eval", ".keep"}
+    folder = RunFolder(str(saved_run), overwrite=True, declared=["metrics.jsonl"]).open()
+    (saved_run / "metrics.jsonl").write_text('{"step": 1, "new": true}\n')
+    _stage_final_model(saved_run, saved=True)
+    folder.declare(["config.json", "model.safetensors", "tokenizer.json"])
+    os.replace(saved_run / FINAL_MODEL_STAGING / "config.json", saved_run / "config.json")  # one file moved: killed
+    folder.lock.release()
+    with caplog.at_level("WARNING"):
+        assert recover_interrupted_run(str(saved_run)) == []
+    assert f"its whole final model (model.safetensors, tokenizer.json) is now in {saved_run}" in caplog.text
+    assert {n: (saved_run / n).read_text() for n in ("config.json", "model.safetensors", "tokenizer.json")} == {
+        n: f"new {n}" for n in ("config.json", "model.safetensors", "tokenizer.json")
+    }
+    assert run_files(str(saved_run)) == ["config.json", "metrics.jsonl", "model.safetensors", "tokenizer.json"]
+    assert set(os.listdir(saved_run)) == {*run_files(str(saved_run)), *kept, MANIFEST_NAME}
+
+
+def test_a_staged_final_model_in_the_way_of_a_users_file_is_kept_and_said_where(tmp_path, caplog):
+    folder = tmp_path / "run"
+    record_in_manifest(str(folder), ["metrics.jsonl"])
+    (folder / "metrics.jsonl").write_text('{"step": 1}\n')
+    staging = _stage_final_model(folder, saved=True)
+    (folder / "tokenizer.json").write_text("the user's")
+    with caplog.at_level("WARNING"):
+        recover_interrupted_run(str(folder))
+    assert (
+        f"The final model has tokenizer.json, which {folder} already holds and no run of ours wrote; the whole final "
+        f"model is kept in {staging}"
+    ) in caplog.text
+    staged = [FINAL_MODEL_SAVED, "config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(os.listdir(staging)) == sorted(staged)
+    assert (folder / "tokenizer.json").read_text() == "the user's"
+    os.remove(folder / "tokenizer.json")  # the user moves it out: the next run moves the model into place
+    RunFolder(str(folder)).open().close(failed=True)
+    assert (folder / "tokenizer.json").read_text() == "new tokenizer.json" and not staging.exists()
+
+
+def test_a_final_model_whose_save_did_not_finish_is_removed_and_said_so(saved_run, snapshot, caplog):
+    before = snapshot(saved_run)
+    _stage_final_model(saved_run, saved=False)
+    with caplog.at_level("WARNING"):
+        assert recover_interrupted_run(str(saved_run)) == []
+    assert snapshot(saved_run) == before
+    assert f"the incomplete save {saved_run / FINAL_MODEL_STAGING} is removed" in caplog.text

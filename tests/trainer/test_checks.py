@@ -348,3 +348,87 @@ def test_planned_steps_are_the_steps_trls_data_loader_and_transformers_train(
     loader = trainer.get_train_dataloader()
     expected = 0 if len(loader) == 0 else trainer.set_initial_training_values(args, loader)[-1]
     assert planned_steps(num_prompts, args) == expected
+
+
+def _audit_config(tmp_path, **overrides):
+    return OPEFOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to="none", **overrides)
+
+
+def test_an_option_the_factor_refuses_set_after_the_config_was_built_is_refused_by_the_trainer(length_reward, tmp_path):
+    """Audit: importance_sampling_level='sequence' set on a built config reached training; only the one-time loss
+    guard could stop it, and it let |lambda| < 0.013 through."""
+    args = _audit_config(tmp_path)
+    args.importance_sampling_level = "sequence"
+    with pytest.raises(ValueError, match="importance_sampling_level='sequence' is not modelled by OPEFOTrainer"):
+        OPEFOTrainer("no-such-org/no-such-model", length_reward, args=args)  # refused before the model is looked at
+    args.importance_sampling_level, args.delta = "token", 0.5
+    with pytest.raises(
+        ValueError, match="delta=0.5 is not modelled by OPEFOTrainer: TRL's two-sided clip caps the ratio"
+    ):
+        OPEFOTrainer("no-such-org/no-such-model", length_reward, args=args)
+    assert os.listdir(tmp_path) == []
+
+
+def test_neftune_is_refused_by_a_weighting_method_and_switches_the_diagnostics_off_under_grpo(tmp_path):
+    """Audit: NEFTune's noise changes TRL's update (the step balance's written gradient 0.88 off), unsaid."""
+    with pytest.raises(ValueError, match=r"neftune_noise_alpha=5.0 is not modelled by OPEFOTrainer: NEFTune adds"):
+        _audit_config(tmp_path, neftune_noise_alpha=5.0)
+    with pytest.warns(
+        UserWarning,
+        match=r"neftune_noise_alpha=5.0 is not modelled by OPEFOTrainer: NEFTune .* switched off for this run",
+    ) as caught:
+        args = _audit_config(tmp_path, method="grpo", neftune_noise_alpha=5.0)
+    assert len([w for w in caught if "NEFTune" in str(w.message)]) == 1 and args.entropy_flow_diagnostics is False
+
+
+@pytest.fixture
+def dropout_model_path(tiny_model_path, tmp_path):
+    """The tiny model with attention dropout 0.1 in its config."""
+    import json
+    import shutil
+
+    path = tmp_path / "dropout-model"
+    shutil.copytree(tiny_model_path, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
+    return str(path)
+
+
+def test_dropout_in_training_is_refused_by_a_weighting_method_before_loading(
+    dropout_model_path, length_reward, tmp_path, monkeypatch
+):
+    """Audit: with dropout TRL's training pass is not the scoring pass (the step balance's gradient 0.31 off)."""
+    import transformers
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_loading)
+    with pytest.raises(ValueError, match=r"dropout in training \(attention_dropout=0.1; disable_dropout=False\) is"):
+        OPEFOTrainer(dropout_model_path, length_reward, args=_audit_config(tmp_path))
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, target_modules=["q_proj"], lora_dropout=0.05, task_type="CAUSAL_LM")
+    with pytest.raises(ValueError, match=r"dropout in training \(lora_dropout=0.05; disable_dropout=False\)"):
+        OPEFOTrainer("no-such-org/no-such-model", length_reward, args=_audit_config(tmp_path), peft_config=lora)
+    # disable_dropout zeroes LoRA's dropout modules: taken (then the bogus model fails to load, past the checks).
+    monkeypatch.undo()
+    with pytest.raises(OSError):
+        args = _audit_config(tmp_path, disable_dropout=True)
+        OPEFOTrainer("no-such-org/no-such-model", length_reward, args=args, peft_config=lora)
+
+
+def test_dropout_under_plain_grpo_switches_the_diagnostics_off_with_one_warning(
+    dropout_model_path, length_reward, tmp_path
+):
+    small = dict(per_device_train_batch_size=2, num_generations=2, max_completion_length=4)
+    args = _audit_config(tmp_path, method="grpo", **small)
+    with pytest.warns(UserWarning, match=r"dropout in training \(attention_dropout=0.1.* switched off for this run"):
+        trainer = OPEFOTrainer(dropout_model_path, length_reward, args=args, train_dataset=_prompts())
+    assert trainer.args.entropy_flow_diagnostics is False
+
+
+def _prompts():
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": ["What is 1 + 1?", "What is 2 + 2?"]})

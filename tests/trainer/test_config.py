@@ -86,7 +86,7 @@ def config(**overrides):
         # Sequence-level importance sampling moves each token's weight onto its whole sequence: not modelled.
         (dict(importance_sampling_level="sequence"), r"importance_sampling_level='sequence' is not modelled"),
         (dict(method="par", importance_sampling_level="sequence", entropy_flow_diagnostics=False), "'sequence'"),
-        (dict(delta=0.9), r"delta=0.9: TRL's two-sided clip"),
+        (dict(delta=0.9), r"delta=0.9 is not modelled by OPEFOTrainer: TRL's two-sided clip"),
     ],
 )
 def test_bad_settings_fail_at_configuration_time(overrides, match):
@@ -105,7 +105,10 @@ def test_options_the_factor_does_not_model_are_accepted_where_it_is_not_used():
 
 @pytest.mark.parametrize(
     "overrides,reason",
-    [(dict(importance_sampling_level="sequence"), "importance_sampling_level='sequence'"), (dict(delta=0.9), "delta=0.9")],
+    [
+        (dict(importance_sampling_level="sequence"), "importance_sampling_level='sequence'"),
+        (dict(delta=0.9), "delta=0.9"),
+    ],
 )
 def test_plain_grpo_with_an_option_the_diagnostics_cannot_model_switches_them_off_with_one_warning(overrides, reason):
     """The drop-in: what GRPOTrainer trains, method='grpo' trains too; only the diagnostics (on by default), which would
