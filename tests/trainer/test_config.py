@@ -116,7 +116,7 @@ def test_plain_grpo_with_an_option_the_diagnostics_cannot_model_switches_them_of
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         args = config(method="grpo", **overrides)
-    switched_off = [w for w in caught if "entropy-flow diagnostics are switched off" in str(w.message)]
+    switched_off = [w for w in caught if "switched off for this run" in str(w.message)]
     assert len(switched_off) == 1 and reason in str(switched_off[0].message)
     assert args.entropy_flow_diagnostics is False
 

@@ -76,7 +76,7 @@ def test_sequence_level_importance_sampling_with_opefo_trainer(tiny_model_path, 
         OPEFOTrainer(tiny_model_path, length_reward, GRPOConfig(**trl_args), train_dataset=tiny_dataset)
     args = GRPOConfig(**trl_args)
     args.method = "grpo"
-    with pytest.warns(UserWarning, match=r"importance_sampling_level='sequence'.*diagnostics are switched off"):
+    with pytest.warns(UserWarning, match=r"importance_sampling_level='sequence'.*switched off for this run"):
         trainer = OPEFOTrainer(tiny_model_path, length_reward, args, train_dataset=tiny_dataset)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
