@@ -19,7 +19,6 @@ Example:
 from opefo_trl.runs.checkpoint import (
     check_checkpoint,
     check_steps_left,
-    checkpoint_step,
     checkpoints,
     foreign_checkpoint_files,
     load_method_state,
@@ -49,6 +48,7 @@ from opefo_trl.runs.files import (
     MetricsFileError,
     RunFolderBusy,
     RunFolderError,
+    checkpoint_step,
 )
 from opefo_trl.runs.folder import (
     RunFolder,

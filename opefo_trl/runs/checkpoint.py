@@ -39,6 +39,7 @@ from opefo_trl.runs.files import (
     WEIGHTS_RE,
     CheckpointError,
     CheckpointSaveError,
+    checkpoint_step,
     free_bytes,
     remove_entry,
     write_json_atomically,
@@ -335,12 +336,6 @@ def resume_checkpoint(
         )
     check_checkpoint(resume, method)
     return resume
-
-
-def checkpoint_step(checkpoint: str) -> int:
-    """The optimizer step a checkpoint was saved at (its ``trainer_state.json``'s ``global_step``)."""
-    with open(os.path.join(checkpoint, TRAINER_STATE_NAME)) as f:
-        return int(json.load(f)["global_step"])
 
 
 def check_steps_left(checkpoint: str, planned_steps: int) -> None:

@@ -156,3 +156,11 @@ def read_json_lines(path: str, refuse: Callable[[int, str], Exception]) -> tuple
                 return rows, True
             raise refuse(number, line) from None
     return rows, False
+
+
+def checkpoint_step(checkpoint: str) -> int:
+    """The optimizer step a checkpoint was saved at (its ``trainer_state.json``, read by transformers' own
+    ``TrainerState.load_from_json``)."""
+    from transformers import TrainerState
+
+    return TrainerState.load_from_json(os.path.join(checkpoint, TRAINER_STATE_NAME)).global_step

@@ -28,7 +28,7 @@ import os
 from enum import Enum
 from typing import Any
 
-from opefo_trl.runs.files import RUN_OPTIONS_NAME, CheckpointError, write_json_atomically
+from opefo_trl.runs.files import RUN_OPTIONS_NAME, CheckpointError, checkpoint_step, write_json_atomically
 
 #: Refused on resume, by why (the reason is part of the error).
 REFUSED: dict[str, tuple[str, ...]] = {
@@ -164,6 +164,4 @@ def _options_of_training_args(checkpoint: str) -> dict[str, Any] | None:
 
 
 def _step(checkpoint: str) -> str:
-    from opefo_trl.runs.checkpoint import checkpoint_step
-
     return str(checkpoint_step(checkpoint))
