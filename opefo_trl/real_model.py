@@ -25,6 +25,7 @@ short sums it is right now and then.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -136,7 +137,7 @@ def smollm2_135m_instruct(cache_dir: str | os.PathLike | None = None, *, gguf_fi
     if (folder / MARKER).is_file():
         return folder
     with needs_extra("real-model", "gguf", PURPOSE):
-        import gguf  # noqa: F401  (transformers reads the file with it)
+        importlib.import_module("gguf")  # transformers reads the file with it
     cache.mkdir(parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(prefix=".building-", dir=cache))
     try:
@@ -168,7 +169,7 @@ def _build(gguf_path: Path, output: Path) -> dict:
     # same weights in a model built from the config without the flag.
     values = {k: v for k, v in gguf_model.config.to_dict().items() if k not in ("quantization_config", "_name_or_path")}
     values["dtype"] = "float32"
-    plain = LlamaForCausalLM(LlamaConfig(**values)).to(torch.float32)
+    plain = LlamaForCausalLM(LlamaConfig(**values))
     plain.load_state_dict(gguf_model.state_dict())
     plain.generation_config = gguf_model.generation_config
     plain.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -178,7 +179,8 @@ def _build(gguf_path: Path, output: Path) -> dict:
     del plain
 
     reloaded = AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32).eval()
-    ids = tokenizer.apply_chat_template(CHECK_PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    text = tokenizer.apply_chat_template(CHECK_PROMPT, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
         want = gguf_model.eval()(**ids).logits
         got = reloaded(**ids).logits

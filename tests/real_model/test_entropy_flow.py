@@ -11,6 +11,10 @@ err = sum_t f_t |d_t(float32) - d_t(float64)|, the size of float32's rounding at
 sum_t f_t |delta d_t| (a token changing sets included), lambda* = (N - P) / (N + P) by at most twice that over
 N + P. The trainer's float32 pipeline rounds differently from the plain forward (TRL's chunked head, other batch
 shapes), by the same order: the bound is taken 8 x err.
+
+`param` (u_t = <D grad Hbar, grad log pi_t>, under SGD: D = 1) is re-derived from scratch the same way: the
+gradient of the mean entropy by backward, u_t by forward mode; its error estimate is the same computation in float32
+against float64.
 """
 
 import types
@@ -170,3 +174,75 @@ def test_lambda_star_p_and_n_equal_a_float64_rescore_of_the_real_rollout(
         f"N {logged(trainer, 'entropy_flow/decrease')[0]:.6g} ({decrease:.6g}), float32 error estimate {error:.3g}, "
         f"tokens {int(mask.sum())}, mean entropy {mean_entropy:.4f}"
     )
+
+
+def param_flow_from_logits(model, batch, temperature):
+    """u_t = <grad Hbar, grad log pi_t> of the `param` estimate under SGD (D = 1), from scratch: Hbar the mean token
+    entropy of the completion tokens, its gradient by backward, u_t by forward mode along it, in ``model``'s dtype."""
+    from torch.func import functional_call, jvp
+
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    length = batch["completion_ids"].size(1)
+    names, params = zip(*model.named_parameters(), strict=True)
+    dtype = params[0].dtype
+
+    def scores(*values):
+        output = functional_call(model, dict(zip(names, values, strict=True)), (ids,), {"attention_mask": attention})
+        logp_all = torch.log_softmax(output.logits[:, -length - 1 : -1] / temperature, -1)
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        return logp_all.gather(-1, batch["completion_ids"][..., None])[..., 0], entropy
+
+    mask = batch["completion_mask"].to(dtype)
+    _, entropy = scores(*params)
+    direction = torch.autograd.grad((entropy * mask).sum() / mask.sum(), params)
+    del entropy
+    with torch.no_grad():
+        _, (alignment, _) = jvp(scores, tuple(p.detach() for p in params), direction)
+    return alignment.double()
+
+
+def test_param_lambda_star_p_and_n_equal_a_float64_rescore_of_the_real_rollout(
+    real_model_path, arithmetic_prompts, length_reward, tmp_path
+):
+    from transformers import AutoModelForCausalLM
+
+    # SGD: under AdamW's first step D = 1 / (|g| + eps) weighs every parameter alike whatever the size of its
+    # gradient, and the signs of the gradient's rounding-level entries, which float32 and float64 decide differently,
+    # move P and N by ~6%: no float64 re-score can check the float32 estimate there.
+    args = rollout_config(tmp_path, entropy_flow_estimate="param", optim="sgd", entropy_flow_preconditioner="none")
+    assert args.loss_type == "dapo"
+    trainer, seen = train_one_rollout(real_model_path, arithmetic_prompts, length_reward, args)
+    (batch,) = seen
+    mask = batch["completion_mask"].double()
+    factor, advantages = mask / mask.sum(), batch["advantages"].double()
+    temperature = trainer.temperature
+    names = ("entropy_flow/increase", "entropy_flow/decrease", "entropy_flow/lambda", "entropy_flow/param_lambda_error")
+    logs = {name: logged(trainer, name)[0] for name in names}
+    del trainer  # the references need the memory
+
+    alignments = {}
+    for dtype in (torch.float64, torch.float32):  # eager attention: forward-mode AD through plain matmuls
+        model = AutoModelForCausalLM.from_pretrained(real_model_path, dtype=dtype, attn_implementation="eager")
+        if dtype == torch.float64:
+            float64_throughout(model)
+        alignments[dtype] = param_flow_from_logits(model.eval(), batch, temperature)
+        del model
+    wide, narrow = alignments[torch.float64], alignments[torch.float32]
+    increase, decrease, lam = sums(advantages * wide, factor)
+    error = (factor * advantages.abs() * (narrow - wide).abs()).sum().item()
+    narrow_sums = sums(advantages * narrow, factor)
+    print(
+        f"param: lambda* {logs['entropy_flow/lambda']:.6g} (float64 {lam:.6g}, float32 reference "
+        f"{narrow_sums[2]:.6g}), P {logs['entropy_flow/increase']:.6g} ({increase:.6g}, {narrow_sums[0]:.6g}), N "
+        f"{logs['entropy_flow/decrease']:.6g} ({decrease:.6g}, {narrow_sums[1]:.6g}), float32 error estimate "
+        f"{error:.3g} (the estimate's own: {logs['entropy_flow/param_lambda_error']:.3g} on lambda*), tokens "
+        f"{int(mask.sum())}"
+    )
+    assert increase > 0 and decrease > 0
+    assert error < 1e-3 * (increase + decrease), (error, increase, decrease)
+
+    bound = ERROR_MARGIN * error
+    assert logs["entropy_flow/increase"] == pytest.approx(increase, abs=bound)
+    assert logs["entropy_flow/decrease"] == pytest.approx(decrease, abs=bound)
+    assert logs["entropy_flow/lambda"] == pytest.approx(lam, abs=2 * bound / (increase + decrease))
