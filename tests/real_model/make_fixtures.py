@@ -1,6 +1,6 @@
 """Writes fixtures/completions.json: real completions of SmolLM2-135M-Instruct (``opefo_trl.real_model``) to
 arithmetic prompts, sampled once (seed 0, temperature 0.7) with the model's chat template. The expected answers and
-rewards in the file were read off each completion by hand (test_rewards.py checks the reward against them).
+rewards in the file were read off each completion by hand (test_real_rewards.py checks the reward against them).
 
 Run: PYTHONPATH=. python tests/real_model/make_fixtures.py (it keeps the hand-read fields of an existing file)."""
 
