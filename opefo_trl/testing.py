@@ -166,9 +166,9 @@ def warm_up_tiny_model(path: str | os.PathLike, output: str | os.PathLike, *, st
 
 
 def keep_rms_norm_in_model_dtype(model):
-    """Qwen2's RMSNorm computes in float32 whatever the model's dtype; patch it, in place, to compute in the dtype of
-    its input, so that a float64 model is float64 throughout (float64 references in tests and benchmarks). Returns
-    the model.
+    """Qwen2's and Llama's RMSNorm compute in float32 whatever the model's dtype; patch them, in place, to compute in
+    the dtype of their input, so that a float64 model is float64 throughout (float64 references in tests and
+    benchmarks; rotary embeddings aside). Returns the model.
 
     transformers >= 5.25 kernelizes a model when the `kernels` package is installed (``use_kernels`` on by default):
     at load and again at every ``train()`` / ``eval()`` switch it sets the ``forward`` of each layer that has a hub
@@ -177,6 +177,7 @@ def keep_rms_norm_in_model_dtype(model):
     import types
 
     import torch
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
     def rms_norm_in_input_dtype(self, hidden):
@@ -185,7 +186,7 @@ def keep_rms_norm_in_model_dtype(model):
     if getattr(model, "use_kernels", False):
         model.use_kernels = False
     for module in model.modules():
-        if isinstance(module, Qwen2RMSNorm):
+        if isinstance(module, (Qwen2RMSNorm, LlamaRMSNorm)):
             module.forward = types.MethodType(rms_norm_in_input_dtype, module)
     return model
 

