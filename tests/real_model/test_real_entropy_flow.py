@@ -17,12 +17,18 @@ gradient of the mean entropy by backward, u_t by forward mode; its error estimat
 against float64.
 """
 
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
 from opefo_trl import OPEFOConfig, OPEFOTrainer
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+from trainer_setup import base_settings, logged  # noqa: E402
+
 from opefo_trl.trainer.batch_state import STATE_KEY
 
 pytestmark = [pytest.mark.real_model, pytest.mark.numerics]
@@ -32,29 +38,9 @@ ERROR_MARGIN = 8.0
 
 
 def rollout_config(tmp_path, **overrides):
-    settings = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=24,
-        temperature=0.7,
-        gradient_checkpointing=False,  # TRL's default recomputes every layer in the backward: twice the time here
-        max_steps=1,
-        logging_steps=1,
-        learning_rate=1e-6,
-        bf16=False,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        seed=0,
-        disable_tqdm=True,
-    )
-    settings.update(overrides)
-    return OPEFOConfig(**settings)
-
-
-def logged(trainer, name):
-    return [entry[name] for entry in trainer.state.log_history if name in entry]
+    # gradient_checkpointing off: TRL's default recomputes every layer in the backward, twice the time here
+    settings = dict(max_completion_length=24, temperature=0.7, gradient_checkpointing=False, max_steps=1)
+    return OPEFOConfig(**base_settings(tmp_path, **{"learning_rate": 1e-6, **settings, **overrides}))
 
 
 def float64_throughout(model):

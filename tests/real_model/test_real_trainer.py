@@ -3,10 +3,15 @@ SmolLM2-135M-Instruct (2 prompts x 2 completions of <= 12 tokens per step), with
 AdamW's step size and lambda* logged on every step."""
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 
 from opefo_trl import OPEFOConfig, OPEFOTrainer
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+from trainer_setup import base_settings, logged  # noqa: E402
 
 pytestmark = pytest.mark.real_model
 
@@ -18,32 +23,16 @@ def characters_reward(completions, **kwargs):
     return [len(c[0]["content"]) / 10 for c in completions]
 
 
-def logged(trainer, name):
-    return [entry[name] for entry in trainer.state.log_history if name in entry]
-
-
 @pytest.mark.parametrize("method", [None, "grpo"], ids=["default", "grpo"])
 def test_two_steps_on_the_real_model_move_the_weights_and_log_lambda_star(
     real_model_path, arithmetic_prompts, tmp_path, method
 ):
     args = OPEFOConfig(
-        output_dir=str(tmp_path / "out"),
-        **({} if method is None else {"method": method}),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=12,
-        temperature=0.7,
-        gradient_checkpointing=False,
-        max_steps=2,
-        logging_steps=1,
-        learning_rate=LEARNING_RATE,
-        bf16=False,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        seed=0,
-        disable_tqdm=True,
-    )
+        **base_settings(
+            tmp_path, **({} if method is None else {"method": method}), per_device_train_batch_size=4,
+            num_generations=2, temperature=0.7, gradient_checkpointing=False, learning_rate=LEARNING_RATE,
+        )
+    )  # fmt: skip
     assert args.method == (method or "opefo")
     trainer = OPEFOTrainer(
         model=real_model_path, reward_funcs=characters_reward, args=args, train_dataset=arithmetic_prompts
