@@ -100,10 +100,16 @@ def main(
         fixed = trainer.param_estimate.fixed_probe.__self__
         sequences = sum(len(item.batch["completion_ids"]) for item, _ in fixed.batches())
         torch.save(dict(prompts=fixed.prompts, sequences=sequences), os.path.join(out_dir, f"probe{rank}.pt"))
-    # Tear the gloo group down before the interpreter exits: left to exit-time destructors, a rank has been seen to
-    # abort ("terminate called without an active exception") after its work was done.
+    # Leave without interpreter finalization: a gloo worker thread can still be destroying a finished collective (the
+    # last barrier holds the all-gathers before it) and needs the GIL for the tensors' Python objects; once Python
+    # is finalizing, that thread is unwound through a noexcept destructor and the rank aborts ("terminate called
+    # without an active exception", seen in 1 of 58 loaded runs, core dump: ~AsyncBarrierWork -> ~AsyncAllgatherWork
+    # -> decref_pyobject -> pthread_exit). destroy_process_group() does not stop those threads while DDP's reducer
+    # holds the group (torch 2.13). Upstream: pytorch/pytorch#190489.
     trainer.accelerator.wait_for_everyone()
-    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
