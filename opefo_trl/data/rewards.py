@@ -11,6 +11,18 @@ Answer extraction (:func:`extract_answer`):
 - Otherwise math-verify's anchored extraction ("the final answer is $x$") is used; a completion with no answer
   scores 0.
 
+Modes (``math_reward_mode``, :mod:`opefo_trl.data.reward_modes`; README's "The math reward: what it pays" has a table
+of examples):
+
+- ``"equivalent"`` (default, :func:`math_accuracy_reward`): any answer math-verify finds equal to the gold is paid,
+  an expression included, so a restated question ("The answer is 6 + 3." against 9) is paid.
+- ``"strict"`` (:func:`build_math_accuracy_reward`): an answer that still holds arithmetic on numbers
+  (:func:`leaves_arithmetic`: ``6 + 3``, ``3 \times 9``, ``2^{10}``, ``54/2``, ``3 * 9 = 27``) scores 0 with status
+  ``"not_final"``, unless the gold answer is written the same way; and a completion that is nothing but a number or
+  expression (one of math-verify's own unanchored patterns spans all of it: ``27``, ``$\frac{1}{2}$``) is read as
+  its answer, after the ``\boxed`` and ``Answer:`` forms and before the anchored phrases. math-verify reduces a LaTeX
+  fraction of integers while parsing, so ``\boxed{\frac{54}{2}}`` is read as 27 and paid.
+
 Gold answers are parsed as LaTeX (a bare ``3\sqrt{13}`` is read as ``\boxed{3\sqrt{13}}``; TRL's ``accuracy_reward``
 parses a bare gold as a plain expression and reads it as ``3``). A list of gold answers (OlympiadBench's
 ``final_answer``) is one answer made of several values. A gold answer that cannot be parsed gives ``None`` -- never 0

@@ -1,5 +1,7 @@
 """math-verify accuracy reward: both answer forms, None for unparseable gold, counted failures, thread safety."""
 
+import pathlib
+import re
 import threading
 
 import pytest
@@ -229,3 +231,26 @@ def test_a_math_reward_mode_that_does_not_exist_is_refused():
         rewards.build_math_accuracy_reward("exact")
     with pytest.raises(ValueError, match="math_reward_mode='exact'"):
         score_completion("27", "27", "exact")
+
+
+def _readme_reward_table():
+    """(completion, gold, equivalent, strict) of each example in README's "The math reward: what it pays" table."""
+    readme = pathlib.Path(__file__).parents[2] / "README.md"
+    section = readme.read_text().split("## The math reward: what it pays", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `") or line.startswith("| ...")]
+    for line in rows:
+        completions_cell, gold_cell, equivalent, strict = (cell.strip() for cell in line.strip("|").split(" | "))
+        completions = re.findall(r"`([^`]+)`", completions_cell)
+        golds = [gold.strip("`") for gold in gold_cell.split(", ")]
+        golds = golds if len(golds) == len(completions) else golds * len(completions)
+        for completion, gold in zip(completions, golds, strict=True):
+            yield completion, gold, float(equivalent[0]), float(strict[0])
+
+
+README_EXAMPLES = list(_readme_reward_table())
+
+
+@pytest.mark.parametrize("completion, gold, equivalent, strict", README_EXAMPLES)
+def test_the_readmes_examples_score_as_it_says(completion, gold, equivalent, strict):
+    assert len(README_EXAMPLES) >= 20
+    assert (score_completion(completion, gold), score_completion(completion, gold, "strict")) == (equivalent, strict)
