@@ -69,8 +69,7 @@ with needs_extra("math", "math_verify", "The math-verify reward (opefo_trl.data.
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
     from math_verify.errors import TimeoutException
     from math_verify.parser import get_extraction_regexes
-    from sympy import Add, Basic, Dummy, Mul, Number, Pow, S, UnevaluatedExpr
-    from sympy.core.relational import Relational
+    from sympy import Add, Basic, Dummy, Mul, Number, Pow, UnevaluatedExpr
     from sympy.functions.combinatorial.factorials import factorial
 
 logger = logging.getLogger(__name__)
@@ -235,8 +234,9 @@ def _extract(text: str, mode: str = DEFAULT_MATH_REWARD_MODE) -> list:
     return _parse(region, config)
 
 
-# The operations whose undone form ("6 + 3", "3 \times 9", "2^{10}", "3!", "3 * 9 = 27") strict mode refuses.
-_OPERATIONS = (Add, Mul, Pow, Relational, factorial)
+# The operations whose undone form ("6 + 3", "3 \times 9", "2^{10}", "3!") strict mode refuses; an equation is
+# refused for its sides ("3 * 9 = 27" holds 3 * 9).
+_OPERATIONS = (Add, Mul, Pow, factorial)
 
 
 def _is_written_number(node) -> bool:
@@ -260,13 +260,12 @@ def _is_written_number(node) -> bool:
 
 
 def _undone_arithmetic(node) -> bool:
-    """Whether ``node`` holds an operation on numbers only that sympy would still carry out to a number (or to
-    true/false, for ``3 * 9 = 27``)."""
+    """Whether ``node`` holds an operation on numbers only that sympy would still carry out to a number."""
     if not isinstance(node, Basic) or _is_written_number(node):
         return False
     if isinstance(node, _OPERATIONS) and not node.free_symbols:
         value = node.doit()
-        if isinstance(value, Number) or value in (S.true, S.false):
+        if isinstance(value, Number):
             return True
     return any(_undone_arithmetic(arg) for arg in node.args)
 
