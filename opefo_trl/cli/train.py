@@ -144,7 +144,7 @@ def validate_args(script_args, training_args, model_args) -> None:
             f"eval_strategy={strategy!r}: opefo-train trains without an evaluation set "
             "(dataset_test_split is not read); set eval_strategy to 'no' and evaluate checkpoints with opefo-eval."
         )
-    resolve_reward_funcs(script_args.reward_funcs)
+    resolve_reward_funcs(script_args.reward_funcs, script_args.math_reward_mode)
     overlong = TRL_OVERLONG_SETTINGS["max_completion_len"]
     if "get_soft_overlong_punishment" in script_args.reward_funcs and training_args.max_completion_length != overlong:
         raise ValueError(
@@ -231,7 +231,7 @@ def prepare_inputs(script_args, training_args, model_args) -> tuple:
         training_args.max_completion_length,
         context,
     )
-    return dataset, resolve_reward_funcs(script_args.reward_funcs)
+    return dataset, resolve_reward_funcs(script_args.reward_funcs, script_args.math_reward_mode)
 
 
 def train(script_args, training_args, model_args, train_dataset=None, reward_funcs=None):

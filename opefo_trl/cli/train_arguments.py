@@ -14,6 +14,13 @@ from typing import Literal
 
 from trl import ScriptArguments
 
+from opefo_trl.data.reward_modes import (
+    DEFAULT_MATH_REWARD_MODE,
+    MathRewardMode,
+    check_math_reward_mode,
+    math_reward_mode_field,
+)
+
 DEFAULT_REWARD = "math_accuracy_reward"
 #: TRL's reward functions by the names `trl grpo --reward_funcs` takes (TRL's scripts/grpo.py).
 TRL_REWARDS = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_soft_overlong_punishment")
@@ -111,6 +118,7 @@ class TrainScriptArguments(ScriptArguments):
             "`reward_weights`."
         },
     )
+    math_reward_mode: MathRewardMode = math_reward_mode_field()
     context_length: int | None = field(
         default=None,
         metadata={
@@ -170,6 +178,13 @@ class TrainScriptArguments(ScriptArguments):
             raise ValueError(f"context_length must be a positive number of tokens, got {self.context_length}.")
         if not self.reward_funcs:
             raise ValueError(f"reward_funcs is empty: give at least one, e.g. {DEFAULT_REWARD!r}.")
+        check_math_reward_mode(self.math_reward_mode)
+        if self.math_reward_mode != DEFAULT_MATH_REWARD_MODE and DEFAULT_REWARD not in self.reward_funcs:
+            raise ValueError(
+                f"math_reward_mode={self.math_reward_mode!r} sets how {DEFAULT_REWARD!r} scores, but reward_funcs "
+                f"({self.reward_funcs}) does not name it; add {DEFAULT_REWARD!r} to reward_funcs or leave "
+                f"math_reward_mode at {DEFAULT_MATH_REWARD_MODE!r}."
+            )
         if self.dataset_streaming:
             raise ValueError(
                 "dataset_streaming=true: opefo-train reads the whole training set first, to check every prompt "
@@ -182,9 +197,9 @@ class TrainScriptArguments(ScriptArguments):
             )
 
 
-def resolve_reward_funcs(names: Sequence[str]) -> list[Callable]:
-    """Reward functions by name (ours, 'math_accuracy_reward'; TRL's, :data:`TRL_REWARDS`) or dotted import path;
-    raises naming the one that fails.
+def resolve_reward_funcs(names: Sequence[str], math_reward_mode: str = DEFAULT_MATH_REWARD_MODE) -> list[Callable]:
+    """Reward functions by name (ours, 'math_accuracy_reward', built in ``math_reward_mode``; TRL's,
+    :data:`TRL_REWARDS`) or dotted import path; raises naming the one that fails.
 
     Example:
         >>> [f.__name__ for f in resolve_reward_funcs(["accuracy_reward", "think_format_reward"])]
@@ -193,9 +208,9 @@ def resolve_reward_funcs(names: Sequence[str]) -> list[Callable]:
     funcs = []
     for name in names:
         if name == DEFAULT_REWARD:
-            from opefo_trl.data.rewards import math_accuracy_reward
+            from opefo_trl.data.rewards import build_math_accuracy_reward
 
-            funcs.append(math_accuracy_reward)
+            funcs.append(build_math_accuracy_reward(math_reward_mode))
             continue
         if name in TRL_REWARDS:
             import trl.rewards

@@ -11,6 +11,18 @@ Answer extraction (:func:`extract_answer`):
 - Otherwise math-verify's anchored extraction ("the final answer is $x$") is used; a completion with no answer
   scores 0.
 
+Modes (``math_reward_mode``, :mod:`opefo_trl.data.reward_modes`; README's "The math reward: what it pays" has a table
+of examples):
+
+- ``"equivalent"`` (default, :func:`math_accuracy_reward`): any answer math-verify finds equal to the gold is paid,
+  an expression included, so a restated question ("The answer is 6 + 3." against 9) is paid.
+- ``"strict"`` (:func:`build_math_accuracy_reward`): an answer that still holds arithmetic on numbers
+  (:func:`leaves_arithmetic`: ``6 + 3``, ``3 \times 9``, ``2^{10}``, ``54/2``, ``3 * 9 = 27``) scores 0 with status
+  ``"not_final"``, unless the gold answer is written the same way; and a completion that is nothing but a number or
+  expression (one of math-verify's own unanchored patterns spans all of it: ``27``, ``$\frac{1}{2}$``) is read as
+  its answer, after the ``\boxed`` and ``Answer:`` forms and before the anchored phrases. math-verify reduces a LaTeX
+  fraction of integers while parsing, so ``\boxed{\frac{54}{2}}`` is read as 27 and paid.
+
 Gold answers are parsed as LaTeX (a bare ``3\sqrt{13}`` is read as ``\boxed{3\sqrt{13}}``; TRL's ``accuracy_reward``
 parses a bare gold as a plain expression and reads it as ``3``). A list of gold answers (OlympiadBench's
 ``final_answer``) is one answer made of several values. A gold answer that cannot be parsed gives ``None`` -- never 0
@@ -51,16 +63,21 @@ from typing import Any
 
 from opefo_trl._extras import needs_extra
 from opefo_trl.data.prompts import completion_to_text, gold_to_text
+from opefo_trl.data.reward_modes import DEFAULT_MATH_REWARD_MODE, STRICT, check_math_reward_mode
 
 with needs_extra("math", "math_verify", "The math-verify reward (opefo_trl.data.rewards, math_accuracy_reward)"):
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
     from math_verify.errors import TimeoutException
+    from math_verify.parser import get_extraction_regexes
+    from sympy import Add, Basic, Dummy, Mul, Number, Pow, UnevaluatedExpr
+    from sympy.functions.combinatorial.factorials import factorial
 
 logger = logging.getLogger(__name__)
 
 REWARD_NAME = "math_accuracy_reward"
 FAILURES_METRIC = f"rewards/{REWARD_NAME}/failures"
 GOLD_UNPARSEABLE_METRIC = f"rewards/{REWARD_NAME}/gold_unparseable"
+NOT_FINAL_METRIC = f"rewards/{REWARD_NAME}/not_final"
 
 # math-verify timeouts (seconds) used on the main thread; off the main thread signal.alarm is unavailable.
 PARSING_TIMEOUT_S = 10
@@ -72,6 +89,7 @@ WRONG = "wrong"
 NO_ANSWER = "no_answer"
 GOLD_UNPARSEABLE = "gold_unparseable"
 FAILED = "failed"
+NOT_FINAL = "not_final"  # strict mode: the answer leaves arithmetic on numbers undone ("6 + 3"), scored 0
 
 _BOXED_RE = re.compile(r"\\boxed\b|\\fbox\b")
 # A line "Answer: ...", optionally in markdown bold ("**Answer:** 42", "**Answer: 42**").
@@ -86,6 +104,10 @@ _ANCHORED_EXTRACTION = [
 ]
 # math-verify's default LaTeX normalisation (units, malformed operators such as \frac12, ...), as lighteval uses.
 _BOXED_EXTRACTION = [LatexExtractionConfig(boxed_match_priority=0)]
+# Strict mode: a completion that is nothing but a number or expression ("27", "1 + 7", "$\frac{1}{2}$") is its
+# own answer. It is one when one of math-verify's own extraction patterns (unanchored) spans all of it.
+_BARE_EXTRACTION = [LatexExtractionConfig(), ExprExtractionConfig()]
+_BARE_PATTERNS = [pattern for patterns, _ in get_extraction_regexes(_BARE_EXTRACTION) for pattern, _ in patterns]
 
 
 class FailureCounter:
@@ -180,10 +202,11 @@ def _parse_gold(gold_text: str) -> tuple:
     return tuple(parsed)
 
 
-def _answer_region(text: str) -> tuple[str, list]:
+def _answer_region(text: str, mode: str = DEFAULT_MATH_REWARD_MODE) -> tuple[str, list]:
     """Choose where the final answer is and the extraction config that reads it.
 
-    The last ``\boxed`` and the last ``Answer:`` line compete: whichever starts later wins.
+    The last ``\boxed`` and the last ``Answer:`` line compete: whichever starts later wins. In strict mode a
+    completion that is only a number or expression comes next, before the anchored phrases.
     """
     boxed_starts = [m.start() for m in _BOXED_RE.finditer(text)]
     answer_lines = list(_ANSWER_LINE_RE.finditer(text))
@@ -199,12 +222,69 @@ def _answer_region(text: str) -> tuple[str, list]:
     if last_boxed >= 0:
         # Only the last \boxed: math-verify would merge several boxed answers into a set.
         return text[last_boxed:], _BOXED_EXTRACTION
+    if mode == STRICT:
+        bare = text.strip().removesuffix(".").strip()
+        if bare and any(pattern.fullmatch(bare) for pattern in _BARE_PATTERNS):
+            return bare, _BARE_EXTRACTION
     return text, _ANCHORED_EXTRACTION
 
 
-def _extract(text: str) -> list:
-    region, config = _answer_region(text)
+def _extract(text: str, mode: str = DEFAULT_MATH_REWARD_MODE) -> list:
+    region, config = _answer_region(text, mode)
     return _parse(region, config)
+
+
+# The operations whose undone form ("6 + 3", "3 \times 9", "2^{10}", "3!") strict mode refuses; an equation is
+# refused for its sides ("3 * 9 = 27" holds 3 * 9).
+_OPERATIONS = (Add, Mul, Pow, factorial)
+
+
+def _is_written_number(node) -> bool:
+    """A number as one writes it: ``27``, ``27.0``, ``-3``, or a fraction of two numbers that is not a whole number
+    (``1/2``, ``-3/4``; ``54/2`` is a division left undone)."""
+    if isinstance(node, Number):
+        return True
+    factors = node.args if isinstance(node, Mul) else (node,) if isinstance(node, Pow) else None
+    if factors is None:
+        return False
+    numerators = [f for f in factors if isinstance(f, Number) and f != -1]
+    denominators = [f for f in factors if isinstance(f, Pow) and f.exp == -1 and isinstance(f.base, Number)]
+    if len(numerators) + len(denominators) + sum(f == -1 for f in factors) != len(factors):
+        return False  # a factor that is neither a number, a sign nor 1/number
+    if len(numerators) > 1 or len(denominators) > 1:
+        return False
+    if not denominators:
+        return True  # a signed number
+    value = node.doit()  # 54/2 (or 54/2.0: math-verify reads "54/2." with a decimal point) is a whole 27
+    return not (value.is_Integer or (value.is_Float and value.is_finite and float(value).is_integer()))
+
+
+def _undone_arithmetic(node) -> bool:
+    """Whether ``node`` holds an operation on numbers only that sympy would still carry out to a number."""
+    if not isinstance(node, Basic) or _is_written_number(node):
+        return False
+    if isinstance(node, _OPERATIONS) and not node.free_symbols:
+        value = node.doit()
+        if isinstance(value, Number):
+            return True
+    return any(_undone_arithmetic(arg) for arg in node.args)
+
+
+def leaves_arithmetic(answer) -> bool:
+    r"""Whether a parsed answer (a math-verify / SymPy expression) still holds arithmetic on numbers: ``6 + 3``,
+    ``3 \times 9``, ``2^{10}``, ``54/2``, ``3 * 9 = 27``. A number (``27``, ``27.0``, ``-3``, ``1/2``, ``50\%``) or an
+    expression with nothing left to compute (``3\sqrt{13}``, ``\frac{\pi}{2}``, ``x^2 + 1``) does not.
+
+    Example:
+        >>> from math_verify import parse
+        >>> leaves_arithmetic(parse("$6 + 3$")[0]), leaves_arithmetic(parse("$3\\sqrt{13}$")[0])
+        (True, False)
+    """
+    if not isinstance(answer, Basic):
+        return False
+    # math-verify holds a percentage as n * UnevaluatedExpr(1/100): "50%" is a number, not 50 * 1/100 to compute.
+    percentages = {held: Dummy() for held in answer.atoms(UnevaluatedExpr)}
+    return _undone_arithmetic(answer.xreplace(percentages))
 
 
 def _canonical(parsed: Sequence) -> str | None:
@@ -229,20 +309,26 @@ def _compare(gold: Sequence, answer: Sequence) -> bool:
     return False
 
 
-def verify_completion(text: str, gold: Any) -> Verification:
+def verify_completion(text: str, gold: Any, mode: str = DEFAULT_MATH_REWARD_MODE) -> Verification:
     r"""Check ``text`` (a completion) against ``gold`` and say how it went.
 
     Never raises for bad input or math-verify errors: those become ``status="failed"`` (counted in
-    :data:`VERIFICATION_FAILURES`) or ``status="gold_unparseable"``.
+    :data:`VERIFICATION_FAILURES`) or ``status="gold_unparseable"``. ``mode``: the ``math_reward_mode``
+    (:mod:`opefo_trl.data.reward_modes`); in ``"strict"`` mode an answer that leaves arithmetic undone
+    (:func:`leaves_arithmetic`) and is not written as the gold is gets ``status="not_final"``, score 0, no answer.
 
     Example:
         >>> verify_completion("Answer: $\\frac{2}{4}$", "1/2")
         Verification(score=1.0, status='correct', answer='1/2', error=None, gold_failed=False)
         >>> verify_completion(r"\boxed{7}", r"\frac{").status
         'gold_unparseable'
+        >>> restated = "The answer is 6 + 3."
+        >>> verify_completion(restated, "9").score, verify_completion(restated, "9", "strict")
+        (1.0, Verification(score=0.0, status='not_final', answer=None, error=None, gold_failed=False))
     """
     if not isinstance(text, str):
         raise TypeError(f"A completion must be a str, got {type(text).__name__}.")
+    check_math_reward_mode(mode)
     try:
         gold_parsed = _parse_gold(gold_to_text(gold))
     except VerificationFailure as err:
@@ -251,12 +337,17 @@ def verify_completion(text: str, gold: Any) -> Verification:
     if not gold_parsed:
         return Verification(score=None, status=GOLD_UNPARSEABLE)
     try:
-        answer = _extract(text)
+        answer = _extract(text, mode)
     except VerificationFailure as err:
         VERIFICATION_FAILURES.add(str(err))
         return Verification(score=None, status=FAILED, error=str(err))
     if not answer:
         return Verification(score=0.0, status=NO_ANSWER)
+    if mode == STRICT:
+        # Written as the gold is written ("2^{10}" against "2^{10}"): the answer's form, computation or not.
+        answer = [a for a in answer if not leaves_arithmetic(a) or any(a == g for g in gold_parsed)]
+        if not answer:
+            return Verification(score=0.0, status=NOT_FINAL)
     try:
         correct = _compare(gold_parsed, answer)
     except VerificationFailure as err:
@@ -265,30 +356,40 @@ def verify_completion(text: str, gold: Any) -> Verification:
     return Verification(score=1.0 if correct else 0.0, status=CORRECT if correct else WRONG, answer=_canonical(answer))
 
 
-def score_completion(text: str, gold: Any) -> float | None:
+def score_completion(text: str, gold: Any, mode: str = DEFAULT_MATH_REWARD_MODE) -> float | None:
     r"""1.0 if the final answer in ``text`` equals ``gold`` (math-verify), 0.0 if not or absent, ``None`` if the gold
-    answer cannot be parsed or verification failed (counted in :data:`VERIFICATION_FAILURES`).
+    answer cannot be parsed or verification failed (counted in :data:`VERIFICATION_FAILURES`). ``mode``: see
+    :func:`verify_completion`.
 
     Example:
         >>> score_completion(r"The final answer is \boxed{42}.", "42"), score_completion("Answer: 41", "42")
         (1.0, 0.0)
+        >>> score_completion("27", "27", "strict"), score_completion(r"\boxed{3 \times 9}", "27", "strict")
+        (1.0, 0.0)
     """
-    return verify_completion(text, gold).score
+    return verify_completion(text, gold, mode).score
 
 
-def extract_answer(text: str) -> str | None:
-    r"""The final answer of a completion in canonical form (a SymPy string), or ``None`` when there is none.
+def extract_answer(text: str, mode: str = DEFAULT_MATH_REWARD_MODE) -> str | None:
+    r"""The final answer of a completion in canonical form (a SymPy string), or ``None`` when there is none (in
+    ``"strict"`` mode, also when the answer leaves arithmetic undone: see :func:`leaves_arithmetic`).
 
     Equal answers written differently map to the same string, which is what majority voting needs.
 
     Example:
         >>> extract_answer(r"so \boxed{\frac{1}{2}}"), extract_answer("Answer: 1/2"), extract_answer("no answer")
         ('1/2', '1/2', None)
+        >>> extract_answer("Answer: 3 * 9"), extract_answer("Answer: 3 * 9", "strict"), extract_answer("27", "strict")
+        ('3*9', None, '27')
     """
     if not isinstance(text, str):
         raise TypeError(f"A completion must be a str, got {type(text).__name__}.")
+    check_math_reward_mode(mode)
     try:
-        return _canonical(_extract(text))
+        answer = _extract(text, mode)
+        if mode == STRICT:
+            answer = [a for a in answer if not leaves_arithmetic(a)]
+        return _canonical(answer)
     except VerificationFailure as err:
         VERIFICATION_FAILURES.add(str(err))
         logger.warning("Could not extract an answer: %s", err)
@@ -303,7 +404,9 @@ def math_accuracy_reward(
     **kwargs,
 ) -> list[float | None]:
     r"""TRL reward function: 1.0 for a correct final answer, 0.0 for a wrong or missing one, ``None`` when the gold
-    answer cannot be parsed or verification failed (TRL then ignores the completion).
+    answer cannot be parsed or verification failed (TRL then ignores the completion). Math reward mode
+    ``"equivalent"``: any answer math-verify finds equal to the gold is paid; :func:`build_math_accuracy_reward`
+    makes the ``"strict"`` one.
 
     Args:
         completions: Conversational completions (lists of messages; the last assistant message is scored, see
@@ -320,12 +423,43 @@ def math_accuracy_reward(
         [1.0, 0.0, None]
         >>> # GRPOTrainer(..., reward_funcs=math_accuracy_reward, train_dataset=ds_with_solution_column)
     """
+    return _score_batch(completions, solution, DEFAULT_MATH_REWARD_MODE, log_metric, log_extra)
+
+
+def build_math_accuracy_reward(mode: str = DEFAULT_MATH_REWARD_MODE) -> Callable[..., list[float | None]]:
+    r"""The TRL reward function ``math_accuracy_reward`` in a given ``math_reward_mode``
+    (:mod:`opefo_trl.data.reward_modes`). It is named ``math_accuracy_reward`` in either mode, so its metrics are
+    ``rewards/math_accuracy_reward/...``; in ``"strict"`` mode it also logs ``rewards/math_accuracy_reward/not_final``
+    (completions refused for leaving arithmetic undone).
+
+    Example:
+        >>> strict_reward = build_math_accuracy_reward("strict")
+        >>> strict_reward(["The answer is 6 + 3.", "The answer is 9.", "9"], solution=["9", "9", "9"])
+        [0.0, 1.0, 1.0]
+        >>> math_accuracy_reward(["The answer is 6 + 3.", "The answer is 9.", "9"], solution=["9", "9", "9"])
+        [1.0, 1.0, 0.0]
+    """
+    check_math_reward_mode(mode)
+    if mode == DEFAULT_MATH_REWARD_MODE:
+        return math_accuracy_reward
+
+    def reward(completions, solution, log_metric=None, log_extra=None, **kwargs):
+        return _score_batch(completions, solution, mode, log_metric, log_extra)
+
+    reward.__name__ = reward.__qualname__ = REWARD_NAME
+    reward.__doc__ = f"math_accuracy_reward in math_reward_mode={mode!r}: see opefo_trl.data.rewards."
+    return reward
+
+
+def _score_batch(completions, solution, mode, log_metric, log_extra) -> list[float | None]:
     if len(completions) != len(solution):
         raise ValueError(
             f"math_accuracy_reward got {len(completions)} completions but {len(solution)} solutions; "
             "the data set needs a `solution` column with one gold answer per prompt."
         )
-    results = [verify_completion(completion_to_text(c), gold) for c, gold in zip(completions, solution, strict=True)]
+    results = [
+        verify_completion(completion_to_text(c), gold, mode) for c, gold in zip(completions, solution, strict=True)
+    ]
     failures = [r for r in results if r.status == FAILED]
     num_gold_unparseable = sum(r.status == GOLD_UNPARSEABLE for r in results)
     if failures:
@@ -338,6 +472,8 @@ def math_accuracy_reward(
     if log_metric is not None:
         log_metric(FAILURES_METRIC, float(len(failures)))
         log_metric(GOLD_UNPARSEABLE_METRIC, float(num_gold_unparseable))
+        if mode == STRICT:
+            log_metric(NOT_FINAL_METRIC, float(sum(r.status == NOT_FINAL for r in results)))
     if log_extra is not None:
         log_extra("answer", [r.answer if r.answer is not None else "" for r in results])
         log_extra("verification", [r.status for r in results])

@@ -2,8 +2,8 @@ r"""Sampling-based evaluation of math reasoners: avg@n, pass@k and majority vote
 
 The API behind ``opefo-eval``. A model (a full checkpoint, a hub id, or a PEFT LoRA adapter directory) answers every
 problem of one or more benchmarks ``n`` times; answers are scored with :func:`opefo_trl.data.rewards.verify_completion`
-(the training reward's scorer) and summarised per benchmark and averaged over benchmarks, as in the OPEFO paper's
-tables.
+(the training reward's scorer, in the ``math_reward_mode`` given) and summarised per benchmark and averaged over
+benchmarks, as in the OPEFO paper's tables.
 
 Protocol defaults follow the paper: temperature 1.0, top-p 0.7, ``n = 32`` on AIME24 / AIME25 / AMC23 and ``n = 1``
 on MATH500 / Minerva / OlympiadBench (override with ``num_samples``). Sampling uses only temperature and top-p; the

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from opefo_trl.data.prompts import DEFAULT_TEMPLATE, PROMPT_TEMPLATES, get_template
+from opefo_trl.data.reward_modes import MathRewardMode, check_math_reward_mode, math_reward_mode_field
 
 from .benchmarks import BENCHMARKS, PAPER_BENCHMARKS, parse_benchmark_files
 
@@ -103,6 +104,7 @@ class EvaluationConfig:
         default=DEFAULT_TEMPLATE,
         metadata={"help": f"Prompt template of opefo_trl.data.prompts: {', '.join(PROMPT_TEMPLATES)}."},
     )
+    math_reward_mode: MathRewardMode = math_reward_mode_field()
     seed: int = field(
         default=0,
         metadata={
@@ -184,6 +186,7 @@ class EvaluationConfig:
         if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
             raise ValueError(f"output_dir {self.output_dir!r} is a file; give a directory (it is created if missing).")
         get_template(self.prompt_template)  # unknown template: ValueError listing the valid ones
+        check_math_reward_mode(self.math_reward_mode)
         parse_benchmark_files(self.benchmark_files)
 
     def generation_settings(self, backend: str) -> dict[str, Any]:

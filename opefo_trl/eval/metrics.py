@@ -6,14 +6,19 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from opefo_trl.data.reward_modes import DEFAULT_MATH_REWARD_MODE
+
 from .benchmarks import Problem
 from .pass_at_k import avg_at_n, majority_vote, mean_pass_at_k
 
 logger = logging.getLogger(__name__)
 
 
-def score_problem(problem: Problem, completions: Sequence[str]) -> dict[str, Any]:
-    """Score one problem's completions: a per-problem row with extracted answers, scores, n, c and the vote.
+def score_problem(
+    problem: Problem, completions: Sequence[str], math_reward_mode: str = DEFAULT_MATH_REWARD_MODE
+) -> dict[str, Any]:
+    """Score one problem's completions: a per-problem row with extracted answers, scores, n, c and the vote, as
+    ``math_accuracy_reward`` scores them in ``math_reward_mode`` (:mod:`opefo_trl.data.reward_modes`).
 
     Returns a row with ``scorable=False`` (and no correctness) when the gold answer cannot be parsed.
 
@@ -24,7 +29,7 @@ def score_problem(problem: Problem, completions: Sequence[str]) -> dict[str, Any
     """
     from opefo_trl.data.rewards import FAILED, verify_completion
 
-    results = [verify_completion(text, problem.gold) for text in completions]
+    results = [verify_completion(text, problem.gold, math_reward_mode) for text in completions]
     scorable = all(r.gold_scorable for r in results)  # an unreadable gold answer is not 0 correct
     correct = [r.score == 1.0 for r in results]
     answers = [r.answer for r in results]

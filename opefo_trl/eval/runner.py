@@ -168,7 +168,7 @@ def _summarise(config, benchmarks, problems_by_benchmark, store, backend_name) -
         num_tokens, truncated, total = 0, 0, 0
         for problem in problems_by_benchmark[benchmark.name]:
             records = [store.get(benchmark.name, problem.problem_id, i) for i in range(benchmark.num_samples)]
-            rows.append(score_problem(problem, [r["completion"] for r in records]))
+            rows.append(score_problem(problem, [r["completion"] for r in records], config.math_reward_mode))
             num_tokens += sum(r["num_tokens"] for r in records)
             truncated += sum(r["finish_reason"] == "length" for r in records)
             total += len(records)

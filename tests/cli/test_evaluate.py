@@ -300,3 +300,15 @@ def test_a_model_whose_weights_hold_nan_is_refused_before_loading(
         "model/model.safetensors:model.layers.0.mlp.up_proj.weight, model/model.safetensors:model.norm.weight)"
     )
     assert "Traceback" not in err and not out.exists()
+
+
+def test_the_math_reward_mode_is_a_flag_and_a_mode_it_lacks_is_one_line(tmp_path, capsys):
+    from opefo_trl.cli.evaluate import make_parser
+    from opefo_trl.cli.options import parse_options
+
+    (config,) = parse_options(make_parser(), ["--model_name_or_path", "m", "--math_reward_mode", "strict"])
+    assert config.math_reward_mode == "strict"
+    recipe = tmp_path / "eval.yaml"
+    recipe.write_text("model_name_or_path: m\nmath_reward_mode: exact\n")
+    assert main(["--config", str(recipe)]) == 2
+    assert "opefo-eval: error: math_reward_mode='exact' is not a mode of the math reward" in capsys.readouterr().err

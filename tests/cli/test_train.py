@@ -1745,3 +1745,23 @@ def test_reward_functions_get_the_extra_columns_each_its_own_copy(
     assert len(seen) == 8  # 4 prompts x 2 completions, each with its own row's columns
     assert all(gold[s] == (d, src) for s, d, src in seen)
     assert all(text != "changed" for *_, text in module.SEEN)
+
+
+def test_the_math_reward_mode_from_a_recipe_or_the_command_line_builds_the_reward_trained_on(
+    tiny_model_path, problems_file, tmp_path, monkeypatch
+):
+    import opefo_trl.cli.train as cli
+
+    monkeypatch.setattr(cli, "output_dir_policy", lambda *a: _NoPolicy())
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "out"))]
+    restated = [[{"role": "assistant", "content": "The answer is 6 + 3."}]]
+    for extra, paid in (([], 1.0), (["--math_reward_mode", "strict"], 0.0)):
+        script_args, training_args, model_args = parse_args([*argv, *extra])
+        _, (reward,) = cli.prepare_inputs(script_args, training_args, model_args)
+        assert reward(restated, solution=["9"]) == [paid]
+    recipe = tmp_path / "strict.yaml"
+    recipe.write_text(open(RECIPE).read() + "\nmath_reward_mode: strict\n")
+    assert parse_args(["--config", str(recipe), "--use_cpu", "true"])[0].math_reward_mode == "strict"
+    recipe.write_text(open(RECIPE).read() + "\nmath_reward_mode: final\n")
+    with pytest.raises(ValueError, match="math_reward_mode='final' is not a mode of the math reward"):
+        parse_args(["--config", str(recipe), "--use_cpu", "true"])

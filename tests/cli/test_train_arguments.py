@@ -52,3 +52,21 @@ def test_trls_script_arguments_are_the_base_and_what_opefo_train_cannot_do_is_re
         TrainScriptArguments(dataset_streaming=True)
     with pytest.raises(ValueError, match="ignore_bias_buffers=true is TRL's DDP fix"):
         TrainScriptArguments(ignore_bias_buffers=True)
+
+
+def test_the_math_reward_mode_builds_the_reward_and_is_refused_without_it():
+    assert TrainScriptArguments().math_reward_mode == "equivalent"
+    assert TrainScriptArguments(math_reward_mode="strict").math_reward_mode == "strict"
+    (equivalent,) = resolve_reward_funcs(["math_accuracy_reward"])
+    (strict,) = resolve_reward_funcs(["math_accuracy_reward"], "strict")
+    restated = ["The answer is 6 + 3."]
+    assert equivalent(restated, solution=["9"]) == [1.0] and strict(restated, solution=["9"]) == [0.0]
+    assert strict.__name__ == "math_accuracy_reward"
+    with pytest.raises(ValueError, match="math_reward_mode='final' is not a mode of the math reward"):
+        TrainScriptArguments(math_reward_mode="final")
+    with pytest.raises(ValueError) as raised:
+        TrainScriptArguments(math_reward_mode="strict", reward_funcs=["accuracy_reward"])
+    assert str(raised.value) == (
+        "math_reward_mode='strict' sets how 'math_accuracy_reward' scores, but reward_funcs (['accuracy_reward']) "
+        "does not name it; add 'math_accuracy_reward' to reward_funcs or leave math_reward_mode at 'equivalent'."
+    )

@@ -1,5 +1,7 @@
 """math-verify accuracy reward: both answer forms, None for unparseable gold, counted failures, thread safety."""
 
+import pathlib
+import re
 import threading
 
 import pytest
@@ -7,6 +9,7 @@ import pytest
 from opefo_trl.data import rewards
 from opefo_trl.data.rewards import (
     FAILURES_METRIC,
+    NOT_FINAL_METRIC,
     VERIFICATION_FAILURES,
     extract_answer,
     math_accuracy_reward,
@@ -139,3 +142,115 @@ def test_bad_reward_inputs_are_explained():
         math_accuracy_reward(["a", "b"], solution=["1"])
     with pytest.raises(TypeError, match="string or a list of chat messages"):
         math_accuracy_reward([42], solution=["1"])
+
+
+# (completion, gold, reward in math_reward_mode "equivalent" (the default), reward in "strict")
+MODE_CASES = [
+    ("27", "27", 0.0, 1.0),  # a completion that is only a number: strict reads it, the default needs an answer form
+    (r"\boxed{27}", "27", 1.0, 1.0),
+    ("3 * 9 = 27", "27", 0.0, 0.0),  # working in no answer form
+    ("Answer: 3 * 9 = 27", "27", 1.0, 0.0),  # the question's arithmetic restated as the answer
+    (r"\boxed{3 \times 9 = 27}", "27", 1.0, 0.0),
+    (r"\boxed{3 \times 9}", "27", 1.0, 0.0),
+    ("The answer is 3 * 9.", "27", 1.0, 0.0),
+    ("The answer is 6 + 3.", "9", 1.0, 0.0),  # issue 40's examples of the hole
+    (r"\boxed{6+3}", "9", 1.0, 0.0),
+    ("The final answer is 5 - 2.", "3", 1.0, 0.0),
+    ("That's the answer to 7 + 1, which is simply 7.", "8", 1.0, 0.0),  # a real SmolLM2 completion
+    ("The answer is 3 * 9 = 27.", "27", 1.0, 1.0),  # math-verify reads the value after the last '='
+    ("The answer is 27.0", "27", 1.0, 1.0),
+    ("27.0", "27", 0.0, 1.0),
+    (r"\boxed{27.0}", "27", 1.0, 1.0),
+    (r"\boxed{\frac{1}{2}}", "0.5", 1.0, 1.0),
+    ("The answer is 1/2.", "0.5", 1.0, 1.0),
+    (r"\boxed{\frac{2}{4}}", "1/2", 1.0, 1.0),
+    ("The answer is -3/4.", "-0.75", 1.0, 1.0),
+    ("1/2", r"\frac{1}{2}", 0.0, 1.0),
+    (r"$\frac{1}{2}$", "0.5", 0.0, 1.0),
+    ("The answer is 54/2.", "27", 1.0, 0.0),  # a division left undone
+    ("Answer: 50%", "0.5", 1.0, 1.0),
+    (r"\boxed{2^{10}}", "1024", 1.0, 0.0),
+    (r"\boxed{2^{10}}", r"2^{10}", 1.0, 1.0),  # written as the gold is written
+    (r"\boxed{3!}", "6", 1.0, 0.0),
+    (r"\boxed{3\sqrt{13}}", r"3\sqrt{13}", 1.0, 1.0),  # expressions with nothing left to compute
+    (r"\boxed{\frac{\pi}{2}}", r"\frac{\pi}{2}", 1.0, 1.0),
+    (r"\boxed{x^2+1}", "x^2+1", 1.0, 1.0),
+    (r"\boxed{1+1, 2}", ["$2$", "$2$"], 1.0, 0.0),
+    ("Answer: 26", "27", 0.0, 0.0),  # wrong numbers
+    ("26", "27", 0.0, 0.0),
+    (r"\boxed{28}", "27", 0.0, 0.0),
+    ("I think it is 42 but I am not sure", "42", 0.0, 0.0),  # not only a number: no answer in either mode
+]
+
+
+@pytest.mark.parametrize("completion, gold, equivalent, strict", MODE_CASES)
+def test_what_each_math_reward_mode_pays(completion, gold, equivalent, strict):
+    assert score_completion(completion, gold) == equivalent  # the default mode, as it was
+    assert score_completion(completion, gold, "equivalent") == equivalent
+    assert score_completion(completion, gold, "strict") == strict
+
+
+def test_the_strict_mode_says_why_it_refused_and_extracts_no_answer():
+    assert verify_completion("The answer is 6 + 3.", "9", "strict").status == "not_final"
+    assert verify_completion("Answer: 8", "9", "strict").status == "wrong"
+    assert verify_completion("nothing", "9", "strict").status == "no_answer"
+    assert extract_answer("The answer is 6 + 3.") == "3.0 + 6"
+    assert extract_answer("The answer is 6 + 3.", "strict") is None
+    assert extract_answer("27", "strict") == extract_answer("The answer is 27.", "strict") == "27"
+    assert extract_answer(r"\boxed{\frac{2}{4}}", "strict") == "1/2"
+
+
+def test_the_strict_reward_logs_its_refusals_under_the_rewards_name():
+    strict = rewards.build_math_accuracy_reward("strict")
+    assert strict.__name__ == "math_accuracy_reward"  # TRL logs rewards/<name>/mean: one name in both modes
+    assert rewards.build_math_accuracy_reward("equivalent") is math_accuracy_reward
+    metrics, columns = {}, {}
+    out = strict(
+        [_chat("The answer is 6 + 3."), _chat("9"), _chat("Answer: 8"), _chat(r"\boxed{9}")],
+        solution=["9", "9", "9", r"\frac{"],
+        log_metric=metrics.__setitem__,
+        log_extra=columns.__setitem__,
+        prompts=["p"] * 4,
+    )
+    assert out == [0.0, 1.0, 0.0, None]
+    assert metrics == {
+        FAILURES_METRIC: 0.0,
+        "rewards/math_accuracy_reward/gold_unparseable": 1.0,
+        NOT_FINAL_METRIC: 1.0,
+    }
+    assert columns == {
+        "answer": ["", "9", "8", ""],
+        "verification": ["not_final", "correct", "wrong", "gold_unparseable"],
+    }
+
+
+def test_a_math_reward_mode_that_does_not_exist_is_refused():
+    with pytest.raises(
+        ValueError, match="math_reward_mode='exact' is not a mode of the math reward; give 'equivalent'"
+    ):
+        rewards.build_math_accuracy_reward("exact")
+    with pytest.raises(ValueError, match="math_reward_mode='exact'"):
+        score_completion("27", "27", "exact")
+
+
+def _readme_reward_table():
+    """(completion, gold, equivalent, strict) of each example in README's "The math reward: what it pays" table."""
+    readme = pathlib.Path(__file__).parents[2] / "README.md"
+    section = readme.read_text().split("## The math reward: what it pays", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `") or line.startswith("| ...")]
+    for line in rows:
+        completions_cell, gold_cell, equivalent, strict = (cell.strip() for cell in line.strip("|").split(" | "))
+        completions = re.findall(r"`([^`]+)`", completions_cell)
+        golds = [gold.strip("`") for gold in gold_cell.split(", ")]
+        golds = golds if len(golds) == len(completions) else golds * len(completions)
+        for completion, gold in zip(completions, golds, strict=True):
+            yield completion, gold, float(equivalent[0]), float(strict[0])
+
+
+README_EXAMPLES = list(_readme_reward_table())
+
+
+@pytest.mark.parametrize("completion, gold, equivalent, strict", README_EXAMPLES)
+def test_the_readmes_examples_score_as_it_says(completion, gold, equivalent, strict):
+    assert len(README_EXAMPLES) >= 20
+    assert (score_completion(completion, gold), score_completion(completion, gold, "strict")) == (equivalent, strict)

@@ -13,6 +13,7 @@ import pytest
         (dict(benchmark_files=["aime24:/x.parquet"]), "NAME=PATH"),
         (dict(benchmark_files=["aime2024=/x.parquet"]), "benchmark 'aime2024' that is not registered"),
         (dict(model_name_or_path=None), "model_name_or_path is required"),
+        (dict(math_reward_mode="final"), "math_reward_mode='final' is not a mode of the math reward"),
     ],
 )
 def test_invalid_options(overrides, message, bench_file, tmp_path, eval_config):

@@ -45,6 +45,39 @@ def test_end_to_end_metrics_with_a_canned_backend(tiny_model_path, bench_file, t
     assert "| average |  |  | 50.0 | 50.0 | 50.0 | 75.0 |" in results["markdown"]
 
 
+class RestatingBackend:
+    """Restates problem i's question ('i + (i + 1)') as its answer in the first two samples; the third is only the
+    right number (2i + 1)."""
+
+    def run(self, jobs):
+        texts = [
+            f"The answer is {job.problem_id} + {job.problem_id + 1}."
+            if job.sample_index < 2
+            else str(2 * job.problem_id + 1)
+            for job in jobs
+        ]
+        yield list(jobs), [GeneratedSample(text, 5, "stop") for text in texts]
+
+
+def test_the_math_reward_mode_scores_the_stored_samples_without_drawing_them_again(
+    tiny_model_path, bench_file, tmp_path, eval_config, no_model_loading
+):
+    def draw_nothing(*args):
+        raise AssertionError("samples were drawn again")
+
+    config = eval_config(tiny_model_path, bench_file, tmp_path)
+    equivalent = evaluate(config, backend_factory=lambda *a: RestatingBackend())
+    rows = equivalent["benchmarks"]["arith"]["problems"]
+    assert [row["c"] for row in rows] == [2] * NUM_PROBLEMS
+    assert rows[1]["statuses"] == ["correct", "correct", "no_answer"]
+    config = eval_config(tiny_model_path, bench_file, tmp_path, math_reward_mode="strict")
+    strict = evaluate(config, backend_factory=draw_nothing)
+    rows = strict["benchmarks"]["arith"]["problems"]
+    assert [row["c"] for row in rows] == [1] * NUM_PROBLEMS
+    assert rows[1]["statuses"] == ["not_final", "not_final", "correct"] and rows[1]["answers"] == [None, None, "3"]
+    assert strict["config"]["math_reward_mode"] == "strict" and equivalent["config"]["math_reward_mode"] == "equivalent"
+
+
 @pytest.fixture(scope="module")
 def full_run(tiny_model_path, bench_file, tmp_path_factory, eval_config):
     out = tmp_path_factory.mktemp("full")
