@@ -5,6 +5,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -1765,3 +1767,20 @@ def test_the_math_reward_mode_from_a_recipe_or_the_command_line_builds_the_rewar
     recipe.write_text(open(RECIPE).read() + "\nmath_reward_mode: final\n")
     with pytest.raises(ValueError, match="math_reward_mode='final' is not a mode of the math reward"):
         parse_args(["--config", str(recipe), "--use_cpu", "true"])
+
+
+def test_exit_before_finalization_runs_exit_handlers_and_flushes(tmp_path):
+    """A multi-process gloo run leaves through this: the trackers' atexit handlers and buffered output must not be
+    lost with the skipped finalization, and the status is the one given."""
+    marker = tmp_path / "atexit-ran"
+    code = (
+        "import atexit, sys\n"
+        "from opefo_trl.cli.train import exit_before_finalization\n"
+        f"atexit.register(lambda: open({str(marker)!r}, 'w').write('ok'))\n"
+        "sys.stdout.write('buffered line')\n"
+        "exit_before_finalization(3)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert result.stdout == "buffered line"
+    assert marker.read_text() == "ok"
