@@ -456,7 +456,7 @@ def stage_zero3(check: GpuCheckSettings, recorder: StageRecorder) -> None:
         "--config", RECIPE, "--model_name_or_path", model, "--dataset_files", data, "--use_vllm", "false",
         "--num_generations", str(num_generations), "--max_completion_length", "8" if check.reduced else "128",
         "--reward_funcs", "math_accuracy_reward", "benchmarks.precision.even_token_reward",
-        "--metrics_jsonl", "main_process", "--logging_steps", "1",
+        "--metrics_jsonl", "main_process", "--logging_steps", "1", "--report_to", "none",
     ]  # fmt: skip
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ZERO3_CONFIG, "--num_processes", "1"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", DS_BUILD_OPS="0", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")

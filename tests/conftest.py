@@ -368,3 +368,13 @@ def arithmetic_prompts():
             for a, b in sums
         ]
     )
+
+
+def flat_recipe_text(path) -> str:
+    """A recipe merged with its bases (`opefo_trl.cli.recipe_files`) as the text of one YAML file without `base`, for
+    tests that write an edited copy elsewhere (a copy of the file itself would look for its base beside the copy)."""
+    import yaml
+
+    from opefo_trl.cli.recipe_files import load_recipe
+
+    return yaml.safe_dump(load_recipe(path), sort_keys=False, default_flow_style=None, width=1000)

@@ -1,9 +1,11 @@
 """The paper-comparison recipes under recipes/: they parse, encode the paper's settings, and train on CPU.
 
-Every recipe is parsed. The Qwen2.5-Math-7B set also trains 2 optimizer steps on the tiny model with only the
-model, data, vLLM, precision and size keys overridden (the rest of the recipe as written). The Qwen3-4B-Base set
-is parse-only: `test_4b_recipes_differ_from_7b_only_in_model_keys` shows it differs from the 7B set only in keys
-those runs override anyway.
+Each model folder holds base.yaml and one file per method naming it as its base; every recipe is checked merged
+(`opefo_trl.cli.recipe_files`), as `opefo-train --config` reads it. Every recipe is parsed. The Qwen2.5-Math-7B set
+also trains 2 optimizer steps on the tiny model with only the model, data, vLLM, precision, size and tracker keys
+overridden (the rest of the recipe as written). The Qwen3-4B-Base set is parse-only:
+`test_4b_recipes_differ_from_7b_only_in_model_keys` shows it differs from the 7B set only in keys those runs override
+anyway.
 """
 
 import json
@@ -13,6 +15,7 @@ import os
 import pytest
 import yaml
 
+from opefo_trl.cli.recipe_files import load_recipe, read_recipe_chain
 from opefo_trl.cli.train import main, parse_args
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "recipes")
@@ -65,15 +68,64 @@ def test_recipe_set_is_complete():
         for model in os.listdir(ROOT)
         if model in MODELS
         for name in os.listdir(os.path.join(ROOT, model))
-        if name.endswith(".yaml")
+        if name.endswith(".yaml") and name != "base.yaml"
     )
     assert found == sorted(ALL_RECIPES)
 
 
 @pytest.mark.parametrize("model, method", ALL_RECIPES)
+def test_each_recipe_is_its_models_base_plus_its_method(model, method):
+    """One base per model: a recipe's own keys are the method's (and the schedule's), never the model's."""
+    (base, shared), (path, own) = read_recipe_chain(recipe_path(model, method))
+    assert os.path.samefile(base, os.path.join(ROOT, model, "base.yaml")) and path == recipe_path(model, method)
+    assert "method" in own and "method" not in shared and "output_dir" not in shared
+    assert own["output_dir"] == f"runs/{model}/{method}"
+    assert not own.keys() & MODEL_KEYS - {"output_dir"}
+
+
+def test_merged_recipes_keep_the_papers_values():
+    """A few merged values pinned (base plus override): a lost override or a base key gone would change them."""
+    opefo = load_recipe(recipe_path("qwen2.5-math-7b", "opefo"))
+    assert (opefo["method"], opefo["opefo_sides"], opefo["entropy_flow_estimate"]) == ("opefo", "both", "opefo")
+    assert (opefo["learning_rate"], opefo["gradient_accumulation_steps"], opefo["max_completion_length"]) == (
+        2.83e-6,
+        16,
+        3000,
+    )
+    assert "steps_per_generation" not in opefo and opefo["report_to"] == "trackio"
+    kl_cov = load_recipe(recipe_path("qwen3-4b-base", "kl_cov"))
+    assert (kl_cov["learning_rate"], kl_cov["gradient_accumulation_steps"], kl_cov["steps_per_generation"]) == (
+        1e-6,
+        2,
+        16,
+    )
+    assert (kl_cov["max_completion_length"], kl_cov["vllm_max_model_length"], kl_cov["epsilon"]) == (8000, 9216, 1e9)
+    assert load_recipe(recipe_path("qwen2.5-math-7b", "entropy_reg"))["entropy_coef"] == 1e-3  # base: 0.0
+    published = load_recipe(recipe_path("qwen2.5-math-7b", "steer_published"))
+    assert (published["per_device_train_batch_size"], published["steps_per_generation"]) == (8, 64)
+    sizes = {method: len(load_recipe(recipe_path("qwen2.5-math-7b", method))) for method in METHODS}
+    assert sizes == {
+        "opefo": 45,
+        "grpo": 44,
+        "grpo_strict": 43,
+        "entropy_reg": 44,
+        "clip_higher": 46,
+        "clip_cov": 49,
+        "kl_cov": 48,
+        "par": 46,
+        "steer": 47,
+        "steer_published": 53,
+        "stare": 48,
+        "ce_gppo": 49,
+    }
+
+
+@pytest.mark.parametrize("model, method", ALL_RECIPES)
 def test_recipe_parses_with_the_papers_settings(model, method):
     # use_cpu: bf16 is refused on a machine without a bf16 GPU unless training is explicitly on the CPU.
-    script_args, args, model_args = parse_args(["--config", recipe_path(model, method), "--use_cpu", "true"])
+    # report_to none: the recipes log to trackio, which these tests neither install nor want.
+    argv = ["--config", recipe_path(model, method), "--use_cpu", "true", "--report_to", "none"]
+    script_args, args, model_args = parse_args(argv)
     gpus = num_processes()
     assert gpus == 8
 
@@ -144,10 +196,8 @@ def test_recipe_parses_with_the_papers_settings(model, method):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_4b_recipes_differ_from_7b_only_in_model_keys(method):
-    with open(recipe_path("qwen2.5-math-7b", method)) as f:
-        small = yaml.safe_load(f)
-    with open(recipe_path("qwen3-4b-base", method)) as f:
-        large = yaml.safe_load(f)
+    small = load_recipe(recipe_path("qwen2.5-math-7b", method))
+    large = load_recipe(recipe_path("qwen3-4b-base", method))
     assert small.keys() == large.keys()
     assert {key for key in small if small[key] != large[key]} <= MODEL_KEYS
 
@@ -168,6 +218,8 @@ def test_readme_lists_every_recipe_and_launch_mode():
         "--vllm_server_base_url",
         "grad_accum_dtype",
         "communication_data_type",
+        "base: base.yaml",
+        "--report_to none",
     ):
         assert needle in readme, needle
 
@@ -200,8 +252,7 @@ FLOW_METRICS = [
 @pytest.mark.parametrize("method", METHODS)
 def test_7b_recipe_trains_two_steps_on_cpu(method, tiny_model_path, problems_file, tmp_path):
     recipe = recipe_path("qwen2.5-math-7b", method)
-    with open(recipe) as f:
-        written = yaml.safe_load(f)
+    written = load_recipe(recipe)
     out = str(tmp_path / method)
     if written.get("steps_per_generation"):  # keep the recipe's updates per rollout (8 or 16) of 2 completions
         ratio = written["steps_per_generation"] // written["gradient_accumulation_steps"]
@@ -237,6 +288,8 @@ def test_7b_recipe_trains_two_steps_on_cpu(method, tiny_model_path, problems_fil
             "8",
             "--max_steps",
             "2",
+            "--report_to",
+            "none",
             *sizes,
         ]
     )

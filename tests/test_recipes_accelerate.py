@@ -121,7 +121,7 @@ def no_deepspeed_config_left_behind():
 @pytest.fixture(scope="module")
 def strict_recipe_args():
     # Parsed before any ACCELERATE_* variable is set, so that TrainingArguments builds no DeepSpeed plugin of its own.
-    return parse_args(["--config", STRICT_RECIPE, "--use_cpu", "true"])[1]
+    return parse_args(["--config", STRICT_RECIPE, "--use_cpu", "true", "--report_to", "none"])[1]
 
 
 @pytest.mark.parametrize("name", ["ddp.yaml", "zero2.yaml", "zero3.yaml"])
@@ -248,7 +248,8 @@ def test_readme_launch_commands_parse_and_keep_256_completions_per_rollout(monke
             assert processes % launch_args.num_machines == 0
             assert 0 <= launch_args.machine_rank < launch_args.num_machines
         train_argv = launch_args.training_script_args
-        args = parse_args([*train_argv, "--use_cpu", "true"])[1]  # opefo-train's parser: rejects unknown flags
+        # opefo-train's parser: rejects unknown flags
+        args = parse_args([*train_argv, "--use_cpu", "true", "--report_to", "none"])[1]
         recipe = os.path.basename(train_argv[train_argv.index("--config") + 1])
         assert args.per_device_train_batch_size * processes * args.steps_per_generation == ROLLOUT_COMPLETIONS, argv
         updates_per_rollout = args.steps_per_generation // args.gradient_accumulation_steps
@@ -269,7 +270,7 @@ def test_deepspeed_engine_accumulates_and_reduces_in_fp32(monkeypatch, tmp_path)
     pytest.importorskip("deepspeed")
     # Two micro-batches per optimizer step (so that gradients are accumulated) on one rank.
     small = ["--gradient_accumulation_steps", "2", "--num_generations", "2"]
-    args = parse_args(["--config", STRICT_RECIPE, "--use_cpu", "true", *small])[1]
+    args = parse_args(["--config", STRICT_RECIPE, "--use_cpu", "true", "--report_to", "none", *small])[1]
     files = []
     for name in ("zero2.yaml", "zero3.yaml"):
         _, env = launch(name, monkeypatch=monkeypatch)

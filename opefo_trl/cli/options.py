@@ -5,6 +5,7 @@ Options are the fields of dataclasses, parsed by TRL's ``TrlParser`` (`--flag va
 snake_case; ``--config recipe.yaml`` sets them from a YAML mapping, the command line overrides it). On top of TRL:
 
 - ``--config=PATH`` works like ``--config PATH``, and a missing recipe file is named before anything is parsed;
+- a recipe may build on another (``base: base.yaml``, merged key by key: :mod:`opefo_trl.cli.recipe_files`);
 - abbreviations are refused (argparse would read ``--num_generation`` as ``--num_generations``);
 - an unknown recipe key or command-line flag is reported with the closest option names, and a value that no flag
   takes (``--learning_rate 1e-5 z``) as such, before TRL parses anything or any dataclass is built (so TRL never
@@ -77,8 +78,9 @@ def build_parser(
     parser.add_argument(
         CONFIG_FLAG,
         metavar="RECIPE_YAML",
-        help="YAML mapping of option: value (plus an optional `env:` mapping of environment variables); "
-        "command-line options override it.",
+        help="YAML mapping of option: value (plus an optional `env:` mapping of environment variables, and an "
+        "optional `base:` recipe it adds to or replaces keys of, relative to its folder); command-line options "
+        "override it.",
     )
     _group_help(parser, groups, other_options)
     parser.renamed_options = dict(renamed or {})  # type: ignore[attr-defined]  # read by _unknown_names_error
@@ -339,61 +341,37 @@ def _refuse_stray_values(stray: Sequence[str]) -> None:
 def parse_options(parser, argv: Sequence[str] | None = None, *, positional: str | None = None) -> tuple:
     """Parse a recipe plus command-line flags into one instance per dataclass of ``parser`` (:func:`build_parser`).
 
+    The recipe is read with its bases (``base: other.yaml``, :mod:`opefo_trl.cli.recipe_files`) and every file's keys
+    are checked, naming the file; TRL's parser then takes the merged mapping as defaults, which the command line
+    overrides.
     ``positional`` names a list option that also takes the values given without a flag (``opefo-plot``'s runs).
 
     Raises:
         ValueError: an unknown or misspelt recipe key or flag (with the closest option names), a recipe key given
-            twice, a value no flag takes, a recipe that is not a YAML mapping, or a value a dataclass refuses.
-        FileNotFoundError: the recipe file does not exist.
+            twice, a value no flag takes, a recipe that is not a YAML mapping, a base that forms a cycle, or a value
+            a dataclass refuses.
+        FileNotFoundError: the recipe file or its base does not exist.
     """
-    import yaml
+    from opefo_trl.cli.recipe_files import ENV_KEY, merge_recipe_chain, read_recipe_chain
 
     argv = _normalise_config_flag(list(sys.argv[1:] if argv is None else argv))
     if positional is not None:
         argv = _positional_values_as_option(parser, argv, positional)
     recipe = _recipe_path(argv)
-    try:
-        recipe_values = None
-        if recipe is not None:
-            with open(recipe) as f:
-                recipe_values = yaml.load(f, Loader=_unique_key_loader())  # a SafeLoader
-        if not isinstance(recipe_values, dict):
-            recipe_values = None  # TRL refuses a recipe that is not a mapping
-        command_line = [arg for i, arg in enumerate(argv) if CONFIG_FLAG not in (arg, argv[i - 1] if i else None)]
-        _refuse_unknown_names(parser, command_line, recipe_values, recipe)
-        _refuse_stray_values(_split_values(parser, command_line)[1])
-        if recipe_values:
-            check_recipe_values(parser, recipe_values, recipe)
-        parsed = parser.parse_args_and_config(argv, fail_with_unknown_args=True)
-    except yaml.YAMLError as err:
-        raise ValueError(f"Recipe file {recipe!r} is not valid YAML: {err}") from err
-    except DuplicateRecipeKey as err:
-        raise ValueError(f"Recipe file {recipe!r}: {err}") from None
+    chain = read_recipe_chain(recipe) if recipe is not None else []
+    for path, values in chain:
+        _refuse_unknown_names(parser, [], values, path)
+    command_line = [arg for i, arg in enumerate(argv) if CONFIG_FLAG not in (arg, argv[i - 1] if i else None)]
+    _refuse_unknown_names(parser, command_line, None, None)
+    _refuse_stray_values(_split_values(parser, command_line)[1])
+    for path, values in chain:
+        check_recipe_values(parser, values, path)
+    merged = merge_recipe_chain(chain)
+    for key, value in merged.pop(ENV_KEY, {}).items():  # as TRL sets a recipe's `env:`
+        os.environ[key] = str(value)
+    parser.set_defaults_with_config(**merged)  # TRL's own step for a --config file's mapping
+    parsed = parser.parse_args_and_config(command_line, fail_with_unknown_args=True)
     return tuple(parsed[: len(parser.dataclass_types)])  # drop the namespace holding the help-only `config`
-
-
-class DuplicateRecipeKey(ValueError):
-    """A recipe key given twice in one mapping."""
-
-
-def _unique_key_loader():
-    """yaml's SafeLoader, refusing a key given twice in one mapping (safe_load keeps the last without a word)."""
-    import yaml
-
-    class UniqueKeyLoader(yaml.SafeLoader):
-        def construct_mapping(self, node, deep=False):
-            first: dict = {}
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=deep)
-                if key in first:
-                    raise DuplicateRecipeKey(
-                        f"key {key!r} is given twice (lines {first[key] + 1} and {key_node.start_mark.line + 1}); "
-                        "keep one."
-                    )
-                first[key] = key_node.start_mark.line
-            return super().construct_mapping(node, deep)
-
-    return UniqueKeyLoader
 
 
 def report_error(prog: str, err: Exception) -> int:

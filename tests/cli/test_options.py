@@ -3,18 +3,20 @@
 import os
 
 import pytest
+from conftest import flat_recipe_text
 
 from opefo_trl.cli import evaluate, train
 from opefo_trl.cli.options import build_parser, parse_options
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "qwen2.5-math-7b", "opefo.yaml")
+RECIPE_TEXT = flat_recipe_text(RECIPE)  # report_to: trackio; the tests that pass it run with --report_to none
 
 
 @pytest.fixture(params=["opefo-train", "opefo-eval"])
 def command(request, tmp_path):
     """(prog, main, a valid recipe's text, valid flags): both commands get the same bad input."""
     if request.param == "opefo-train":
-        return "opefo-train", train.main, open(RECIPE).read(), ["--use_cpu", "true"]
+        return "opefo-train", train.main, RECIPE_TEXT, ["--use_cpu", "true"]
     return "opefo-eval", evaluate.main, "model_name_or_path: m\nbenchmarks: [aime24]\n", ["--num_samples", "4"]
 
 

@@ -10,11 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import flat_recipe_text
 
 from opefo_trl.cli.train import main, parse_args
 from opefo_trl.runs import CHECKPOINT_MARKER, LOCK_NAME, MANIFEST_NAME, METHOD_STATE_NAME, record_in_manifest
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "qwen2.5-math-7b", "opefo.yaml")
+RECIPE_TEXT = flat_recipe_text(RECIPE)  # report_to: trackio; the tests that pass it run with --report_to none
 PAR_RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "qwen2.5-math-7b", "par.yaml")
 
 REWARD_MODULE = '''
@@ -60,6 +62,7 @@ def _cpu_overrides(model_path, data_file, output_dir, **extra):
         "gradient_accumulation_steps": "2",
         "max_completion_length": "8",
         "max_steps": "1",
+        "report_to": "none",
         **{k: str(v) for k, v in extra.items()},
     }
     argv = []
@@ -139,8 +142,9 @@ def test_help_lists_every_option_group(capsys):
 
 
 def test_recipe_values_and_cli_overrides(tiny_model_path):
+    overrides = ["--learning_rate", "5e-6", "--model_name_or_path", tiny_model_path]
     script_args, training_args, model_args = parse_args(
-        ["--config", RECIPE, "--use_cpu", "true", "--learning_rate", "5e-6", "--model_name_or_path", tiny_model_path]
+        ["--config", RECIPE, "--use_cpu", "true", "--report_to", "none", *overrides]
     )
     assert training_args.method == "opefo"
     assert training_args.learning_rate == 5e-6  # CLI beats recipe (2.83e-6)
@@ -151,7 +155,7 @@ def test_recipe_values_and_cli_overrides(tiny_model_path):
 
 def test_unknown_recipe_key_is_an_error_naming_it(tmp_path):
     recipe = tmp_path / "typo.yaml"
-    recipe.write_text(open(RECIPE).read() + "\nlearning_rat: 1.0e-6\nnum_generation: 4\n")
+    recipe.write_text(RECIPE_TEXT + "\nlearning_rat: 1.0e-6\nnum_generation: 4\n")
     with pytest.raises(ValueError) as err:
         parse_args(["--config", str(recipe), "--use_cpu", "true"])
     message = str(err.value)
@@ -168,10 +172,10 @@ def test_unknown_cli_option_is_an_error_not_an_abbreviation():
 
 def test_misspelt_choice_in_recipe_is_an_error(tmp_path):
     recipe = tmp_path / "bad_method.yaml"
-    recipe.write_text(open(RECIPE).read().replace("method: opefo", "method: opfeo"))
+    recipe.write_text(RECIPE_TEXT.replace("method: opefo", "method: opfeo"))
     with pytest.raises(ValueError, match="opfeo"):
         parse_args(["--config", str(recipe), "--use_cpu", "true"])
-    recipe.write_text(open(RECIPE).read().replace("metrics_jsonl: main_process", "metrics_jsonl: everywhere"))
+    recipe.write_text(RECIPE_TEXT.replace("metrics_jsonl: main_process", "metrics_jsonl: everywhere"))
     with pytest.raises(ValueError, match=r"metrics_jsonl must be one of .*'everywhere'"):
         parse_args(["--config", str(recipe), "--use_cpu", "true"])
 
@@ -190,19 +194,19 @@ def test_resume_from_checkpoint_in_recipe(value, expected, tmp_path, write_check
     write_checkpoint(out, 7)
     recipe = tmp_path / "resume.yaml"
     setting = str(out / "checkpoint-7") if value == "checkpoint" else value
-    recipe.write_text(open(RECIPE).read() + f"\nresume_from_checkpoint: {setting}\n")
+    recipe.write_text(RECIPE_TEXT + f"\nresume_from_checkpoint: {setting}\n")
     # Not resuming into an output_dir that holds a checkpoint takes overwrite_output_dir (see the tests below).
     overwrite = ["--overwrite_output_dir", "true"] if expected is None else []
-    argv = ["--config", str(recipe), "--use_cpu", "true", "--output_dir", str(out), *overwrite]
+    argv = ["--config", str(recipe), "--use_cpu", "true", "--report_to", "none", "--output_dir", str(out), *overwrite]
     _, training_args, _ = parse_args(argv)
     assert training_args.resume_from_checkpoint == (setting if expected == "path" else expected)
 
 
 def test_single_value_for_a_list_option_in_recipe(tmp_path, problems_file):
     recipe = tmp_path / "single.yaml"
-    text = open(RECIPE).read().replace("reward_funcs: [math_accuracy_reward]", "reward_funcs: math_accuracy_reward")
+    text = RECIPE_TEXT.replace("reward_funcs: [math_accuracy_reward]", "reward_funcs: math_accuracy_reward")
     recipe.write_text(text + f"\ndataset_files: {problems_file}\n")
-    script_args, _, _ = parse_args(["--config", str(recipe), "--use_cpu", "true"])
+    script_args, _, _ = parse_args(["--config", str(recipe), "--use_cpu", "true", "--report_to", "none"])
     assert script_args.dataset_files == [problems_file] and script_args.reward_funcs == ["math_accuracy_reward"]
 
 
@@ -211,6 +215,28 @@ def test_non_mapping_recipe_is_a_clear_error(tmp_path):
     recipe.write_text("- method: opefo\n")
     with pytest.raises(ValueError, match="must contain a YAML mapping"):
         parse_args(["--config", str(recipe)])
+
+
+@pytest.mark.parametrize("report_to", ["trackio", "[tensorboard, trackio]"])
+def test_a_tracker_that_is_not_installed_is_refused_before_loading(
+    report_to, tiny_model_path, problems_file, tmp_path, no_model_loading, monkeypatch, capsys
+):
+    """The recipes log to trackio: without it, one line saying how to install it or turn it off."""
+    import transformers.integrations
+
+    monkeypatch.setattr(transformers.integrations, "is_trackio_available", lambda: False)
+    monkeypatch.setattr(transformers.integrations, "is_tensorboard_available", lambda: True)
+    recipe = tmp_path / "tracked.yaml"
+    recipe.write_text(f"base: {os.path.abspath(RECIPE)}\nreport_to: {report_to}\n")
+    overrides = _cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "out"))
+    tracker_off = overrides.index("--report_to")
+    assert overrides[tracker_off : tracker_off + 2] == ["--report_to", "none"]
+    assert main(["--config", str(recipe), *overrides[:tracker_off], *overrides[tracker_off + 2 :]]) == 2
+    assert capsys.readouterr().err == (
+        "opefo-train: error: report_to names 'trackio', which is not installed: `pip install trackio` to log there, "
+        "or turn the tracker off with `--report_to none` (metrics.jsonl in output_dir is written either way).\n"
+    )
+    assert parse_args(["--config", str(recipe), *overrides])[1].report_to == []
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -363,7 +389,7 @@ def test_a_dangling_symlink_output_dir_and_a_duplicate_recipe_key_are_one_line(
         "create that folder, or give another --output_dir.\n"
     )
     recipe = tmp_path / "twice.yaml"
-    lines = open(RECIPE).read().splitlines()
+    lines = RECIPE_TEXT.splitlines()
     recipe.write_text("\n".join([*lines, "learning_rate: 1.0e-5"]) + "\n")
     first = next(i for i, line in enumerate(lines, 1) if line.startswith("learning_rate:"))
     argv = ["--config", str(recipe), *_cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "out"))]
@@ -825,7 +851,7 @@ def test_an_output_dir_that_is_a_file_and_an_empty_data_file(
 def test_recipe_values_of_the_wrong_type_are_refused(line, message, tiny_model_path, problems_file, tmp_path, capsys):
     recipe = tmp_path / "typed.yaml"
     key = line.split(":")[0]
-    kept = [entry for entry in open(RECIPE).read().splitlines() if not entry.startswith(f"{key}:")]
+    kept = [entry for entry in RECIPE_TEXT.splitlines() if not entry.startswith(f"{key}:")]
     recipe.write_text("\n".join([*kept, line]) + "\n")
     overrides = [a for a in _cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "out")) if a]
     i = overrides.index(f"--{key}")
@@ -837,7 +863,7 @@ def test_recipe_values_of_the_wrong_type_are_refused(line, message, tiny_model_p
 def test_an_unknown_key_is_reported_before_a_setting_this_machine_lacks(tmp_path, capsys):
     """The GPU recipe (bf16) parsed on a CPU machine: the typo is what needs fixing first."""
     recipe = tmp_path / "typo.yaml"
-    recipe.write_text(open(RECIPE).read() + "\nnum_generation: 4\n")
+    recipe.write_text(RECIPE_TEXT + "\nnum_generation: 4\n")
     assert main(["--config", str(recipe)]) == 2
     err = capsys.readouterr().err
     assert "Unknown key(s) in recipe" in err and "'num_generation' (did you mean 'num_generations'" in err

@@ -53,6 +53,8 @@ def cpu_overrides(model_path, data_file, output_dir):
         "false",
         "--use_cpu",
         "true",
+        "--report_to",
+        "none",
         "--vllm_enable_sleep_mode",
         "false",
         "--vllm_max_model_length",

@@ -70,6 +70,8 @@ def _launch(tmp_path, tiny_model_path, data_file, output_dir, *extra):
         "false",
         "--use_cpu",
         "true",
+        "--report_to",
+        "none",
         "--num_generations",
         "2",
         "--per_device_train_batch_size",
