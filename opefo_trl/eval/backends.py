@@ -22,8 +22,10 @@ from typing import Any
 from opefo_trl.data.model_files import (
     check_has_tokenizer,
     check_has_weights,
+    check_model_config,
     looks_like_local_path,
     model_file_fingerprints,
+    read_json_mapping,
     weight_fingerprints,
 )
 
@@ -109,14 +111,15 @@ def resolve_model_source(model_name_or_path: str, base_model_name_or_path: str |
 
     Raises:
         FileNotFoundError: a local path that does not exist, or a directory that holds no model or no weights.
-        ValueError: an adapter whose base model is unknown.
+        ValueError: an adapter whose base model is unknown; a config.json or adapter_config.json that is not a
+            JSON mapping, or a config that does not fit the weights (``check_model_config``).
     """
     path = os.path.expanduser(model_name_or_path)
     if os.path.isdir(path):
         adapter_config = os.path.join(path, "adapter_config.json")
         if os.path.isfile(adapter_config):
-            with open(adapter_config) as f:
-                base = base_model_name_or_path or json.load(f).get("base_model_name_or_path")
+            adapter_settings = read_json_mapping(adapter_config, "the adapter's settings")
+            base = base_model_name_or_path or adapter_settings.get("base_model_name_or_path")
             if not base:
                 raise ValueError(
                     f"{path} is a PEFT adapter whose adapter_config.json names no base model; pass "
@@ -130,6 +133,7 @@ def resolve_model_source(model_name_or_path: str, base_model_name_or_path: str |
             check_has_weights(path)
             if os.path.isdir(base_path):
                 check_has_weights(base_path)
+                check_model_config(base_path)
             has_tokenizer = os.path.isfile(os.path.join(path, "tokenizer_config.json"))
             tokenizer_path = path if has_tokenizer else base_path
             if os.path.isdir(tokenizer_path):
@@ -138,6 +142,7 @@ def resolve_model_source(model_name_or_path: str, base_model_name_or_path: str |
         if os.path.isfile(os.path.join(path, "config.json")):
             check_has_weights(path)
             check_has_tokenizer(path)
+            check_model_config(path)
             return ModelSource(path, tokenizer_path=path)
         raise FileNotFoundError(f"{path} holds neither a model (config.json) nor a PEFT adapter (adapter_config.json).")
     if os.path.exists(path) or looks_like_local_path(model_name_or_path):

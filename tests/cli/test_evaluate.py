@@ -362,3 +362,33 @@ def test_a_full_disk_is_one_line_saying_what_was_kept_and_leaves_no_partial_file
     assert main(argv) == 0
     assert len((out / "samples.jsonl").read_text().splitlines()) == 32
     assert json.loads((out / "results.json").read_text())["benchmarks"]["arith"]["metrics"]
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda s: [s], "config.json holds a JSON list, not a mapping of the model's settings"),
+        (
+            lambda s: {**s, "vocab_size": s["vocab_size"] + 64},
+            "config.json says vocab_size=384, but the model.embed_tokens.weight of model.safetensors has 320 rows",
+        ),
+    ],
+    ids=["list", "vocab_size"],
+)
+def test_a_model_config_that_does_not_fit_its_weights_is_one_line_before_loading(
+    edit, message, tiny_model_path, bench_file, tmp_path, capsys, no_model_loading
+):
+    """S: a TypeError traceback while loading the tokenizer (a list), transformers' "mismatched sizes" RuntimeError
+    after loading (vocab_size)."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model)
+    settings = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(edit(settings)))
+    out = tmp_path / "eval"
+    argv = ["--model_name_or_path", str(model), "--benchmarks", bench_file, "--output_dir", str(out)]
+    assert main([*argv, "--backend", "transformers", "--no_progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("opefo-eval: error: ") and message in err and "Traceback" not in err
+    assert "restore the config.json saved with these weights" in err.lower() and not out.exists()

@@ -1745,3 +1745,32 @@ def test_reward_functions_get_the_extra_columns_each_its_own_copy(
     assert len(seen) == 8  # 4 prompts x 2 completions, each with its own row's columns
     assert all(gold[s] == (d, src) for s, d, src in seen)
     assert all(text != "changed" for *_, text in module.SEEN)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda s: [s], "config.json holds a JSON list, not a mapping of the model's settings"),
+        (
+            lambda s: {**s, "vocab_size": s["vocab_size"] + 64},
+            "config.json says vocab_size=384, but the model.embed_tokens.weight of model.safetensors has 320 rows",
+        ),
+    ],
+    ids=["list", "vocab_size"],
+)
+def test_a_model_config_that_does_not_fit_its_weights_is_one_line_before_loading(
+    edit, message, tiny_model_path, problems_file, tmp_path, no_model_loading, capsys, snapshot
+):
+    """S: a TypeError traceback while loading the tokenizer (a list), transformers' "mismatched sizes" RuntimeError
+    after loading (vocab_size)."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model)
+    settings = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(edit(settings)))
+    argv = ["--config", RECIPE, *_cpu_overrides(str(model), problems_file, str(tmp_path / "out"))]
+    before = snapshot(tmp_path)
+    assert main(argv) == 2
+    err = _cli_error(capsys.readouterr().err)
+    assert err.startswith(f"opefo-train: error: {model}/config.json" if "list" in message else "opefo-train: error: ")
+    assert message in err and "restore the config.json saved with these weights" in err.lower()
+    assert snapshot(tmp_path) == before
