@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import re
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -166,6 +167,32 @@ def _embedding_shapes(directory: str | os.PathLike) -> dict[str, tuple[int, ...]
         for name, param in model.named_parameters(remove_duplicate=False)  # a tied head under both names
         if any(param is weight for weight in embeddings if weight is not None)
     }
+
+
+def non_finite_names(tensors: Iterable[tuple[str, Any]]) -> list[str]:
+    """The names of the floating-point tensors of ``(name, tensor)`` pairs that hold NaN or inf, each checked as it
+    comes (a generator that reads one tensor at a time keeps one in memory). What ``opefo-eval`` checks a model's
+    weight files with, and ``OPEFOTrainer`` the policy it loaded.
+
+    >>> import torch
+    >>> non_finite_names([("a", torch.ones(2)), ("b", torch.tensor([1.0, float("nan")])), ("c", torch.arange(2))])
+    ['b']
+    """
+    import torch
+
+    return [name for name, tensor in tensors if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+
+
+def non_finite_weights(where: str, names: Sequence[str], count: int | None = None) -> str:
+    """How a model whose weights hold NaN or inf is named: ``where`` the weights come from, ``names`` the tensors
+    (:func:`non_finite_names`), ``count`` their number if some were found elsewhere (other processes' shards).
+
+    >>> non_finite_weights("runs/x", ["a", "b", "c", "d"])
+    'The weights of runs/x hold NaN or inf (4 tensor(s): a, b, c and 1 more)'
+    """
+    count = len(names) if count is None else count
+    shown = ", ".join(names[:3]) + (f" and {count - min(len(names), 3)} more" if count > 3 else "")
+    return f"The weights of {where} hold NaN or inf ({count} tensor(s): {shown if names else 'on other processes'})"
 
 
 _WEIGHT_FILE_RE = re.compile(r"(\.safetensors|^(pytorch_model|adapter_model)(-\d+-of-\d+)?\.bin)$")

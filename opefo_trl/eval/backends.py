@@ -25,6 +25,8 @@ from opefo_trl.data.model_files import (
     check_model_config,
     looks_like_local_path,
     model_file_fingerprints,
+    non_finite_names,
+    non_finite_weights,
     read_json_mapping,
     weight_fingerprints,
 )
@@ -60,11 +62,10 @@ class ModelSource:
             for name in non_finite_tensors(folder)
         ]
         if bad:
-            shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
             raise ValueError(
-                f"The weights of {self.adapter_path or self.model_path} hold NaN or inf ({len(bad)} tensor(s): "
-                f"{shown}): the model cannot generate anything to score (its samples would count as wrong answers). "
-                "Evaluate an earlier checkpoint of the run, whose weights are finite."
+                f"{non_finite_weights(self.adapter_path or self.model_path, bad)}: the model cannot generate anything "
+                "to score (its samples would count as wrong answers). Evaluate an earlier checkpoint of the run, whose "
+                "weights are finite."
             )
 
     def file_fingerprints(self) -> dict[str, str]:
@@ -84,8 +85,8 @@ class ModelSource:
 
 def non_finite_tensors(directory: str) -> list[str]:
     """``file:tensor`` of every floating-point tensor of the ``*.safetensors`` files of ``directory`` that holds NaN
-    or inf, read one tensor at a time (other weight formats, and a hub id, are not read: nothing is reported)."""
-    import torch
+    or inf (:func:`~opefo_trl.data.model_files.non_finite_names`), read one tensor at a time (other weight formats,
+    and a hub id, are not read: nothing is reported)."""
     from safetensors import safe_open
 
     if not os.path.isdir(directory):
@@ -95,10 +96,8 @@ def non_finite_tensors(directory: str) -> list[str]:
         if not name.endswith(".safetensors"):
             continue
         with safe_open(os.path.join(directory, name), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
-                tensor = f.get_tensor(key)
-                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                    found.append(f"{name}:{key}")
+            keys = list(f.keys())
+            found += [f"{name}:{key}" for key in non_finite_names((key, f.get_tensor(key)) for key in keys)]
     return found
 
 
