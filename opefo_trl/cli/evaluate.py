@@ -5,8 +5,8 @@ Every field of `opefo_trl.eval.EvaluationConfig` is a flag (`--help` lists them)
 from a YAML file and command-line flags override it, parsed as `opefo-train` parses its options
 (`opefo_trl.cli.options`): an unknown or misspelt key is an error naming the closest options. Wrong input (unknown
 benchmark, missing column, missing model path, pass@k with k > n) is reported before the model is loaded, as
-`opefo-eval: error: ...` with exit status 2. Re-running the same command resumes an interrupted run from
-`OUTPUT_DIR/samples.jsonl`.
+`opefo-eval: error: ...` with exit status 2, as is a full disk (saying what was kept). Re-running the same command
+resumes an interrupted run from `OUTPUT_DIR/samples.jsonl`.
 
 Examples:
     # The paper's protocol (n=32 on AIME24/AIME25/AMC23, n=1 elsewhere; temperature 1.0, top-p 0.7):
@@ -51,10 +51,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return report_error(PROG, err)
 
     from opefo_trl.eval import evaluate
+    from opefo_trl.eval.store import StoreWriteError
 
     try:
         results = evaluate(config)
-    except INPUT_ERRORS as err:
+    except (*INPUT_ERRORS, StoreWriteError) as err:  # a full disk too: no traceback
         return report_error(PROG, err)
     print(results["markdown"])
     print(f"\nResults written to {config.output_dir} (results.json, results.md, samples.jsonl).")

@@ -15,8 +15,9 @@ weights is checked before they are loaded: the options (types of recipe values i
 files and columns, the reward functions, the output_dir (see below), every file of the checkpoint to resume from,
 that every prompt plus `max_completion_length` fits the model's context, that the run trains at least one step, and
 that a resume has steps left and keeps the options its checkpoint would override (`opefo_trl.runs.options`). Such
-errors, a reward function that fails at its first call, and a checkpoint that cannot be written (a full disk) are
-printed as `opefo-train: error: ...` with exit status 2.
+errors, weights holding NaN or inf (checked once loaded, before the first generation), a reward function that fails
+at its first call, and a checkpoint that cannot be written (a full disk) are printed as `opefo-train: error: ...`
+with exit status 2.
 
 The output_dir is the run's own: one run at a time, nothing deleted that no run of ours wrote, an earlier run refused
 unless resumed or overwritten (`--overwrite_output_dir true`); `opefo_trl.runs.policy` says what is refused and how an
@@ -42,7 +43,7 @@ from typing import NoReturn
 from opefo_trl.cli.options import INPUT_ERRORS, build_parser, parse_options, report_error, show_package_logs
 from opefo_trl.cli.train_arguments import TRL_OVERLONG_SETTINGS, TrainScriptArguments, resolve_reward_funcs
 from opefo_trl.runs import CheckpointSaveError, OutputDirPolicy, RunFolderError
-from opefo_trl.trainer.checks import RewardFunctionError
+from opefo_trl.trainer.checks import NonFiniteWeightsError, RewardFunctionError
 
 logger = logging.getLogger("opefo_trl.cli.train")  # not __name__: "__main__" under `python -m`
 
@@ -338,8 +339,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Bad input (an option, recipe, data file or column, reward function, output_dir or checkpoint), found before the
     model weights load, is printed as `opefo-train: error: ...` with exit status 2, as opefo-eval reports it; so is a
-    reward function that raises or returns non-numbers (found at its first call), an output_dir another run took
-    meanwhile, and a checkpoint or final model that cannot be written (a full disk).
+    reward function that raises or returns non-numbers (found at its first call), weights holding NaN or inf (found
+    before the first generation), an output_dir another run took meanwhile, and a checkpoint or final model that
+    cannot be written (a full disk).
     """
     show_package_logs(PROG)
     try:
@@ -349,7 +351,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return report_error(PROG, err)
     try:
         trainer = train(script_args, training_args, model_args, train_dataset, reward_funcs)
-    except (RewardFunctionError, RunFolderError, CheckpointSaveError) as err:  # no traceback, as for bad input
+    # No traceback, as for bad input.
+    except (RewardFunctionError, NonFiniteWeightsError, RunFolderError, CheckpointSaveError) as err:
         return report_error(PROG, err)
     if trainer.accelerator.num_processes > 1 and trainer.accelerator.state.backend == "gloo":
         exit_before_finalization(0)

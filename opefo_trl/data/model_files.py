@@ -3,7 +3,8 @@
 Shared by ``opefo-train``, ``opefo-eval`` and the demo:
 
 - Model paths: :func:`check_model_name_or_path` refuses a model that is neither a local model directory (with its
-  weights and tokenizer files) nor a valid hub id.
+  weights and tokenizer files) nor a valid hub id; :func:`check_model_config` a local model whose ``config.json`` is
+  not a mapping of settings, or does not fit its weights (``vocab_size``).
 - Model files: :func:`weight_fingerprints` identifies the weights in a directory by every byte, and
   :func:`model_file_fingerprints` the files that decide how prompts are rendered and completions generated (the
   tokenizer, chat template, config and generation config); ``opefo-eval`` refuses samples drawn with other ones.
@@ -18,9 +19,14 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import os
 import re
+from collections.abc import Iterable, Sequence
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 def looks_like_local_path(name: str) -> bool:
@@ -46,6 +52,7 @@ def check_model_name_or_path(name: str) -> None:
             raise FileNotFoundError(f"Model directory {name!r} has no config.json; give a saved model's directory.")
         check_has_weights(path)
         check_has_tokenizer(path)
+        check_model_config(path)
         return
     if os.path.exists(path):
         raise ValueError(f"Model path {name!r} is a file; give the model's directory.")
@@ -60,6 +67,132 @@ def check_model_name_or_path(name: str) -> None:
         validate_repo_id(name)
     except HFValidationError as err:
         raise ValueError(f"Model {name!r} is neither a local directory nor a valid hub id ({err})") from None
+
+
+def read_json_mapping(path: str | os.PathLike, what: str) -> dict[str, Any]:
+    """The JSON object in ``path``, ``what`` a model file holds (e.g. "the model's settings"); refused, saying how to
+    fix it, if the file is not valid JSON or holds another JSON value (a list, a string).
+
+    >>> import tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "config.json")
+    >>> _ = open(path, "w").write('[{"model_type": "qwen2"}]')
+    >>> read_json_mapping(path, "the model's settings")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: .../config.json holds a JSON list, not a mapping of the model's settings: ...
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            content = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        problem = f"is not valid JSON ({err})"
+    else:
+        if isinstance(content, dict):
+            return content
+        kinds = {list: "list", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
+        problem = f"holds a JSON {kinds.get(type(content), type(content).__name__)}, not a mapping of {what}"
+    raise ValueError(
+        f"{os.fspath(path)} {problem}: it is not a file transformers can read. Restore the {os.path.basename(path)} "
+        "saved with these weights (e.g. from the checkpoint or base model the folder was copied from)."
+    )
+
+
+def check_model_config(directory: str | os.PathLike) -> None:
+    """Refuse, before any weights load, a local model directory whose ``config.json`` is not a JSON mapping, or whose
+    ``vocab_size`` (or embedding shape) disagrees with the embedding matrices in its safetensors files: loading would
+    stop with a traceback (a TypeError, or transformers' "mismatched sizes" RuntimeError after reading every weight).
+
+    Only the safetensors headers are read, and the model is built on the meta device (no memory, no weights) to learn
+    its embeddings' names and shapes. A config transformers cannot build a model from (remote code, a model type this
+    transformers lacks) is not compared: loading reports it.
+    """
+    settings = read_json_mapping(os.path.join(directory, "config.json"), "the model's settings")
+    stored = safetensors_shapes(directory)
+    if not stored:
+        return
+    expected = _embedding_shapes(directory)
+    for name, shape in expected.items():
+        found = stored.get(name)
+        if found is None or tuple(found[1]) == shape:
+            continue
+        file, found_shape = found
+        text_settings = settings.get("text_config")  # multimodal configs nest the text model's
+        vocab_size = settings.get(
+            "vocab_size", text_settings.get("vocab_size") if isinstance(text_settings, dict) else None
+        )
+        if found_shape[0] != shape[0]:
+            fix = (
+                f"config.json says vocab_size={vocab_size}, but the {name} of {file} has {found_shape[0]} rows (one "
+                f"per token): the config does not belong to these weights. Set vocab_size to {found_shape[0]}"
+            )
+        else:
+            fix = (
+                f"the config gives {name} the shape {list(shape)}, but {file} holds {list(found_shape)}: the config "
+                "does not belong to these weights. Fix the sizes in config.json"
+            )
+        raise ValueError(
+            f"Model directory {os.fspath(directory)}: {fix}, or restore the config.json saved with these weights."
+        )
+
+
+def safetensors_shapes(directory: str | os.PathLike) -> dict[str, tuple[str, list[int]]]:
+    """``{tensor name: (file name, shape)}`` of the ``*.safetensors`` files of ``directory``, from their headers."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[str, list[int]]] = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(directory, name), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+                    shapes[key] = (name, list(f.get_slice(key).get_shape()))
+    return shapes
+
+
+def _embedding_shapes(directory: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """``{parameter name: shape}`` of the input and output embeddings of the model ``directory``'s config builds (on
+    the meta device); empty if transformers cannot build it from the config alone."""
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(directory)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as err:  # the check is a shortcut: loading reports what keeps a model from being built
+        logger.debug("No embedding check for %s: %s", directory, err)
+        return {}
+    embeddings = [getattr(m, "weight", None) for m in (model.get_input_embeddings(), model.get_output_embeddings())]
+    return {
+        name: tuple(param.shape)
+        for name, param in model.named_parameters(remove_duplicate=False)  # a tied head under both names
+        if any(param is weight for weight in embeddings if weight is not None)
+    }
+
+
+def non_finite_names(tensors: Iterable[tuple[str, Any]]) -> list[str]:
+    """The names of the floating-point tensors of ``(name, tensor)`` pairs that hold NaN or inf, each checked as it
+    comes (a generator that reads one tensor at a time keeps one in memory). What ``opefo-eval`` checks a model's
+    weight files with, and ``OPEFOTrainer`` the policy it loaded.
+
+    >>> import torch
+    >>> non_finite_names([("a", torch.ones(2)), ("b", torch.tensor([1.0, float("nan")])), ("c", torch.arange(2))])
+    ['b']
+    """
+    import torch
+
+    return [name for name, tensor in tensors if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+
+
+def non_finite_weights(where: str, names: Sequence[str], count: int | None = None) -> str:
+    """How a model whose weights hold NaN or inf is named: ``where`` the weights come from, ``names`` the tensors
+    (:func:`non_finite_names`), ``count`` their number if some were found elsewhere (other processes' shards).
+
+    >>> non_finite_weights("runs/x", ["a", "b", "c", "d"])
+    'The weights of runs/x hold NaN or inf (4 tensor(s): a, b, c and 1 more)'
+    """
+    count = len(names) if count is None else count
+    shown = ", ".join(names[:3]) + (f" and {count - min(len(names), 3)} more" if count > 3 else "")
+    return f"The weights of {where} hold NaN or inf ({count} tensor(s): {shown if names else 'on other processes'})"
 
 
 _WEIGHT_FILE_RE = re.compile(r"(\.safetensors|^(pytorch_model|adapter_model)(-\d+-of-\d+)?\.bin)$")

@@ -22,8 +22,12 @@ from typing import Any
 from opefo_trl.data.model_files import (
     check_has_tokenizer,
     check_has_weights,
+    check_model_config,
     looks_like_local_path,
     model_file_fingerprints,
+    non_finite_names,
+    non_finite_weights,
+    read_json_mapping,
     weight_fingerprints,
 )
 
@@ -58,11 +62,10 @@ class ModelSource:
             for name in non_finite_tensors(folder)
         ]
         if bad:
-            shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
             raise ValueError(
-                f"The weights of {self.adapter_path or self.model_path} hold NaN or inf ({len(bad)} tensor(s): "
-                f"{shown}): the model cannot generate anything to score (its samples would count as wrong answers). "
-                "Evaluate an earlier checkpoint of the run, whose weights are finite."
+                f"{non_finite_weights(self.adapter_path or self.model_path, bad)}: the model cannot generate anything "
+                "to score (its samples would count as wrong answers). Evaluate an earlier checkpoint of the run, whose "
+                "weights are finite."
             )
 
     def file_fingerprints(self) -> dict[str, str]:
@@ -82,8 +85,8 @@ class ModelSource:
 
 def non_finite_tensors(directory: str) -> list[str]:
     """``file:tensor`` of every floating-point tensor of the ``*.safetensors`` files of ``directory`` that holds NaN
-    or inf, read one tensor at a time (other weight formats, and a hub id, are not read: nothing is reported)."""
-    import torch
+    or inf (:func:`~opefo_trl.data.model_files.non_finite_names`), read one tensor at a time (other weight formats,
+    and a hub id, are not read: nothing is reported)."""
     from safetensors import safe_open
 
     if not os.path.isdir(directory):
@@ -93,10 +96,8 @@ def non_finite_tensors(directory: str) -> list[str]:
         if not name.endswith(".safetensors"):
             continue
         with safe_open(os.path.join(directory, name), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
-                tensor = f.get_tensor(key)
-                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                    found.append(f"{name}:{key}")
+            keys = list(f.keys())
+            found += [f"{name}:{key}" for key in non_finite_names((key, f.get_tensor(key)) for key in keys)]
     return found
 
 
@@ -109,14 +110,15 @@ def resolve_model_source(model_name_or_path: str, base_model_name_or_path: str |
 
     Raises:
         FileNotFoundError: a local path that does not exist, or a directory that holds no model or no weights.
-        ValueError: an adapter whose base model is unknown.
+        ValueError: an adapter whose base model is unknown; a config.json or adapter_config.json that is not a
+            JSON mapping, or a config that does not fit the weights (``check_model_config``).
     """
     path = os.path.expanduser(model_name_or_path)
     if os.path.isdir(path):
         adapter_config = os.path.join(path, "adapter_config.json")
         if os.path.isfile(adapter_config):
-            with open(adapter_config) as f:
-                base = base_model_name_or_path or json.load(f).get("base_model_name_or_path")
+            adapter_settings = read_json_mapping(adapter_config, "the adapter's settings")
+            base = base_model_name_or_path or adapter_settings.get("base_model_name_or_path")
             if not base:
                 raise ValueError(
                     f"{path} is a PEFT adapter whose adapter_config.json names no base model; pass "
@@ -130,6 +132,7 @@ def resolve_model_source(model_name_or_path: str, base_model_name_or_path: str |
             check_has_weights(path)
             if os.path.isdir(base_path):
                 check_has_weights(base_path)
+                check_model_config(base_path)
             has_tokenizer = os.path.isfile(os.path.join(path, "tokenizer_config.json"))
             tokenizer_path = path if has_tokenizer else base_path
             if os.path.isdir(tokenizer_path):
@@ -138,6 +141,7 @@ def resolve_model_source(model_name_or_path: str, base_model_name_or_path: str |
         if os.path.isfile(os.path.join(path, "config.json")):
             check_has_weights(path)
             check_has_tokenizer(path)
+            check_model_config(path)
             return ModelSource(path, tokenizer_path=path)
         raise FileNotFoundError(f"{path} holds neither a model (config.json) nor a PEFT adapter (adapter_config.json).")
     if os.path.exists(path) or looks_like_local_path(model_name_or_path):

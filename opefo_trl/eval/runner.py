@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import json
+import errno
 import logging
 import os
 from collections.abc import Callable
@@ -11,14 +11,20 @@ from typing import Any
 
 from opefo_trl.data.loading import check_datasets_cache
 from opefo_trl.data.model_files import model_context_length
-from opefo_trl.runs.files import unwritable_reason
+from opefo_trl.runs.files import (
+    SAMPLES_FILE,
+    free_bytes,
+    unwritable_reason,
+    write_json_atomically,
+    write_text_atomically,
+)
 from opefo_trl.runs.folder import RunLock
 
 from .backends import ModelSource, TransformersBackend, VLLMBackend, resolve_model_source, select_backend
 from .benchmarks import build_prompt_ids, context_length_warning, load_problems, resolve_benchmarks
 from .config import EvaluationConfig
 from .metrics import average_over_benchmarks, compute_benchmark_metrics, format_markdown_table, score_problem
-from .store import MODEL_FILES_KEY, WEIGHTS_KEY, SampleJob, SampleStore, pending_jobs
+from .store import MODEL_FILES_KEY, WEIGHTS_KEY, SampleJob, SampleStore, StoreWriteError, pending_jobs
 
 logger = logging.getLogger(__name__)
 
@@ -84,16 +90,37 @@ def evaluate(
     problems_by_benchmark = {b.name: load_problems(b, config.max_problems) for b in benchmarks}
 
     # One writer per store, with opefo-train's lock: two runs would interleave their draws in one samples.jsonl.
-    lock = RunLock(config.output_dir, mixes=STORE_MIXES).acquire()
+    lock = RunLock(config.output_dir, mixes=STORE_MIXES)
+    store = None
     try:
-        return _sample_and_score(config, benchmarks, problems_by_benchmark, source, backend_name, backend_factory)
+        lock.acquire()
+        store = SampleStore(config.output_dir, overwrite=config.overwrite)
+        inputs = (benchmarks, problems_by_benchmark, source, backend_name, backend_factory)
+        return _sample_and_score(config, store, *inputs)
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise StoreWriteError(_disk_full_message(config.output_dir, err, store)) from err
     finally:
         lock.release()
 
 
-def _sample_and_score(config, benchmarks, problems_by_benchmark, source, backend_name, backend_factory):
+def _disk_full_message(output_dir: str, err: OSError, store: SampleStore | None) -> str:
+    """What is full and what was kept: every file of the store and the results is written whole or not at all
+    (``samples.jsonl`` is cut back to its earlier samples)."""
+    where = err.filename or output_dir
+    samples = os.path.join(output_dir, SAMPLES_FILE)
+    stored = len(store.samples) if store is not None else 0
+    kept = f"the {stored} samples stored in {samples}" if stored else f"no samples yet (none in {samples})"
+    return (
+        f"Cannot write {where}: its disk is full ({err.strerror or err}; {free_bytes(where)} bytes free). Kept: "
+        f"{kept}; no file of {output_dir} is left half-written. Free space on that disk (or give another "
+        "output_dir), then run the command again: it samples only what is missing."
+    )
+
+
+def _sample_and_score(config, store, benchmarks, problems_by_benchmark, source, backend_name, backend_factory):
     """:func:`evaluate` once its store is locked: check the stored samples, draw the missing ones, write results."""
-    store = SampleStore(config.output_dir, overwrite=config.overwrite)
     store.check_settings(
         {
             **config.generation_settings(backend_name),
@@ -126,10 +153,11 @@ def _sample_and_score(config, benchmarks, problems_by_benchmark, source, backend
         _generate(jobs, store, source, config, backend_name, tokenizer, backend_factory)
 
     results = _summarise(config, benchmarks, problems_by_benchmark, store, backend_name)
-    with open(os.path.join(config.output_dir, RESULTS_JSON), "w") as f:
-        json.dump(results, f, indent=2, ensure_ascii=False, default=str)
-    with open(os.path.join(config.output_dir, RESULTS_MARKDOWN), "w") as f:
-        f.write(results["markdown"] + "\n")
+    # Whole or not at all: a full disk leaves the earlier results as they were, not an empty results.json.
+    write_json_atomically(
+        os.path.join(config.output_dir, RESULTS_JSON), results, indent=2, ensure_ascii=False, default=str
+    )
+    write_text_atomically(os.path.join(config.output_dir, RESULTS_MARKDOWN), results["markdown"] + "\n")
     return results
 
 

@@ -11,12 +11,17 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from opefo_trl.runs.files import RUN_CONFIG_FILE, SAMPLES_FILE, read_json_lines, write_json_atomically
+from opefo_trl.runs.files import (
+    RUN_CONFIG_FILE,
+    SAMPLES_FILE,
+    read_json_lines,
+    write_json_atomically,
+    write_text_atomically,
+)
 
 from .benchmarks import Problem, ResolvedBenchmark
 
@@ -63,6 +68,11 @@ class SampleJob:
     seed: int
 
 
+class StoreWriteError(Exception):
+    """A file of an evaluation's output_dir that cannot be written (a full disk); the message says what is full and
+    what was kept."""
+
+
 class SampleStore:
     """Append-only JSONL of samples keyed by (benchmark, problem_id, sample_index), plus the run settings.
 
@@ -100,10 +110,9 @@ class SampleStore:
             self.samples[(record["benchmark"], record["problem_id"], record["sample_index"])] = record
         if cut_off:  # a run killed mid-write leaves a partial last line: drop it
             logger.warning("Dropping a truncated last line of %s (interrupted write).", self.samples_path)
-            tmp = self.samples_path + ".tmp"
-            with open(tmp, "w") as f:
-                f.writelines(line if line.endswith("\n") else line + "\n" for _, line, _ in rows)
-            shutil.move(tmp, self.samples_path)
+            write_text_atomically(
+                self.samples_path, "".join(line if line.endswith("\n") else line + "\n" for _, line, _ in rows)
+            )
         elif rows and not rows[-1][1].endswith("\n"):  # whole, but the next append would be glued on
             with open(self.samples_path, "a") as f:
                 f.write("\n")
@@ -175,13 +184,23 @@ class SampleStore:
                 )
 
     def append(self, records: Iterable[dict]) -> None:
-        """Append records and flush them to disk."""
-        with open(self.samples_path, "a") as f:
-            for record in records:
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-                self.samples[(record["benchmark"], record["problem_id"], record["sample_index"])] = record
-            f.flush()
-            os.fsync(f.fileno())
+        """Append records and flush them to disk; if that fails (a full disk), ``samples.jsonl`` is cut back to the
+        samples stored before, and none of ``records`` is kept."""
+        records = list(records)
+        size = os.path.getsize(self.samples_path) if os.path.exists(self.samples_path) else 0
+        try:
+            with open(self.samples_path, "a") as f:
+                f.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError:
+            try:
+                os.truncate(self.samples_path, size)
+            except OSError:  # then the next run drops the cut-off last line
+                pass
+            raise
+        for record in records:
+            self.samples[(record["benchmark"], record["problem_id"], record["sample_index"])] = record
 
     def get(self, benchmark: str, problem_id: int, sample_index: int) -> dict | None:
         return self.samples.get((benchmark, problem_id, sample_index))

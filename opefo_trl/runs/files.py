@@ -80,16 +80,28 @@ def fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-def write_json_atomically(path: str, content: Any) -> None:
-    """``content`` as JSON at ``path``, whole or not at all: a flushed temporary file moved over it."""
+def write_text_atomically(path: str, text: str) -> None:
+    """``text`` at ``path``, whole or not at all: a flushed temporary file moved over it. A failed write (a full
+    disk) removes the temporary file and leaves ``path`` as it was."""
     folder, name = os.path.split(path)
     tmp = os.path.join(folder, f".{name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(content, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        raise
     fsync_dir(folder)
+
+
+def write_json_atomically(path: str, content: Any, **dump_options: Any) -> None:
+    """``content`` as JSON at ``path`` (``json.dumps(content, indent=1, **dump_options)``), whole or not at all, as
+    :func:`write_text_atomically` writes it."""
+    write_text_atomically(path, json.dumps(content, **{"indent": 1, **dump_options}))
 
 
 def remove_entry(path: str) -> None:

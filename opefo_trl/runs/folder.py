@@ -206,9 +206,13 @@ class RunLock:
                 os.close(fd)
                 continue
             mine = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(mine).encode(), 0)
             self._fd = fd
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps(mine).encode(), 0)
+            except OSError:  # a full disk: no lock file is left behind
+                self.release()
+                raise
             return self
         raise RunFolderBusy(busy_message(self.output_dir, holder, self.mixes))
 

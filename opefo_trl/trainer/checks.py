@@ -6,6 +6,9 @@
 - :func:`check_vllm_setup`: vLLM options the machine at hand cannot run (vLLM not installed, sleep mode or server
   mode's weight transfer without a CUDA GPU, an attention head size vLLM's CPU backend refuses), refused before the
   model loads.
+- :func:`check_finite_policy`: a policy whose loaded weights hold NaN or inf (a diverged run's checkpoint), refused
+  before the first generation, where sampling would stop with torch's "probability tensor contains inf, nan"
+  RuntimeError.
 - :class:`RewardCheck`: what reward functions return, checked on every call. A function that raises, returns
   something other than one number (or None) per completion, or a reward that is inf, NaN or too large for TRL's
   float32 group statistics (:func:`largest_reward`) stops training with an
@@ -31,6 +34,47 @@ from contextlib import contextmanager
 from typing import Any
 
 from trl.trainer.utils import is_async_callable
+
+
+class NonFiniteWeightsError(ValueError):
+    """The policy's weights hold NaN or inf when training starts (the message names the tensors and what to train
+    from instead)."""
+
+
+def check_finite_policy(model: Any, where: str, resumed: bool, reduce_sum: Callable[[Any], Any], device: Any) -> None:
+    """Refuse a policy whose weights hold NaN or inf, on every process at once: each checks the parameters it holds
+    (its shard under DeepSpeed ZeRO-3 or FSDP) with :func:`opefo_trl.data.model_files.non_finite_names`, and the
+    counts are summed over processes. One pass over the weights, once, before the first generation.
+
+    Args:
+        model: The policy, unwrapped (a PEFT model checks its base weights and its adapter).
+        where: Where its weights were loaded from: the checkpoint resumed, else the model's name or path.
+        resumed: Whether ``where`` is a checkpoint of the run being resumed (what to do instead differs).
+        reduce_sum, device: Sum a tensor on ``device`` over processes.
+    """
+    import torch
+
+    from opefo_trl.data.model_files import non_finite_names, non_finite_weights
+
+    def local(param: Any) -> Any:
+        param = getattr(param, "ds_tensor", param)  # DeepSpeed ZeRO-3: this process's partition
+        return param.to_local() if hasattr(param, "to_local") else param  # an FSDP2 DTensor: this process's shard
+
+    with torch.no_grad():
+        bad = non_finite_names((name, local(param)) for name, param in model.named_parameters())
+    count = int(reduce_sum(torch.tensor([float(len(bad))], device=device))[0])
+    if not count:
+        return
+    instead = (
+        "Resume from an earlier checkpoint of the run (--resume_from_checkpoint <its folder>), whose weights are "
+        "finite, perhaps with a lower learning_rate"
+        if resumed
+        else "Train from finite weights: the base model, or an earlier checkpoint of the run that wrote these"
+    )
+    raise NonFiniteWeightsError(
+        f"{non_finite_weights(where, bad, count)}: sampling from them fails at the first generation (a probability "
+        f"tensor holding NaN), and no update can make them finite again. {instead}."
+    )
 
 
 def non_finite_options(args) -> list[str]:

@@ -3,7 +3,8 @@
 The trainer holds only `__init__` and TRL's hooks; each hook hands over to a part of this package:
 
 - `_generate_and_score_completions`, `_prepare_inputs` (once per rollout batch): `token_weights.RolloutWeigher`,
-  with `param_estimate.ParamEstimate` for the `param` estimate;
+  with `param_estimate.ParamEstimate` for the `param` estimate; before the first generation,
+  `checks.check_finite_policy` (the loaded weights hold no NaN or inf);
 - `_compute_loss` (every micro-batch): `token_weights.MicroBatchWeigher`, with `loss_mirror.LossMirror` (TRL's
   per-token factor and loss aggregation);
 - `_get_per_token_logps_and_entropies` (every TRL scoring call): the scoring observer of the hook in progress, if any
@@ -52,7 +53,12 @@ from opefo_trl.runs import (  # noqa: E402
     saving_checkpoint,
 )
 from opefo_trl.trainer import model_setup  # noqa: E402
-from opefo_trl.trainer.checks import check_dropout, check_training_values, check_vllm_setup  # noqa: E402
+from opefo_trl.trainer.checks import (  # noqa: E402
+    check_dropout,
+    check_finite_policy,
+    check_training_values,
+    check_vllm_setup,
+)
 from opefo_trl.trainer.config import OPEFOConfig, with_opefo_settings  # noqa: E402
 from opefo_trl.trainer.parts import TrainerAccess, build_parts  # noqa: E402
 from opefo_trl.trainer.probe import check_probe_dataset  # noqa: E402
@@ -102,6 +108,10 @@ class OPEFOTrainer(GRPOTrainer):
     args: OPEFOConfig
     #: What TRL's scoring calls inside the hook in progress are handed to, if anything (also while TRL builds).
     _scoring_observer: ScoringObserver | None = None
+    #: The checkpoint `train` resumes from, if any: where the policy's weights come from.
+    _resumed_checkpoint: str | None = None
+    #: Whether the policy's weights were found finite (checked once, before the first generation).
+    _policy_checked: bool = False
 
     def __init__(
         self,
@@ -136,6 +146,13 @@ class OPEFOTrainer(GRPOTrainer):
     # TRL's hooks ----------------------------------------------------------------------------------------------------
 
     def _generate_and_score_completions(self, inputs):
+        if not self._policy_checked:  # after a resume has loaded its checkpoint's weights
+            where = self._resumed_checkpoint or get_config_model_id(self.access.core_model().config)
+            model = self.accelerator.unwrap_model(self.model)
+            check_finite_policy(
+                model, where, self._resumed_checkpoint is not None, self.access.reduce_sum, self.accelerator.device
+            )
+            self._policy_checked = True
         if not self.model.training or self.rollout is None:
             return super()._generate_and_score_completions(inputs)
         self._scoring_observer = capture = self.rollout.capture(self.ref_model)
@@ -189,6 +206,7 @@ class OPEFOTrainer(GRPOTrainer):
         if checkpoint is not None:
             for change in check_resume_options(checkpoint, self.args):  # refuses what the checkpoint would override
                 logger.warning(change)
+        self._resumed_checkpoint, self._policy_checked = checkpoint, False
         return super().train(checkpoint, *args, **kwargs)
 
     def _save_checkpoint(self, model, trial):

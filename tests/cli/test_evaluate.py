@@ -312,3 +312,95 @@ def test_the_math_reward_mode_is_a_flag_and_a_mode_it_lacks_is_one_line(tmp_path
     recipe.write_text("model_name_or_path: m\nmath_reward_mode: exact\n")
     assert main(["--config", str(recipe)]) == 2
     assert "opefo-eval: error: math_reward_mode='exact' is not a mode of the math reward" in capsys.readouterr().err
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``small_disk(free_pages) -> folder``: a real tmpfs filled up to ``free_pages`` free 4 KiB pages (a full disk
+    where a write fails with ENOSPC). Mounting needs root; skipped elsewhere."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+
+    def fill(free_pages: int):
+        stat = os.statvfs(disk)
+        with open(disk / "filler", "wb") as f:
+            f.write(b"\0" * (stat.f_bavail * stat.f_frsize - free_pages * 4096))
+        assert os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize == free_pages * 4096
+        return disk
+
+    yield fill
+    subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+@pytest.mark.parametrize(
+    "free_pages, stored",
+    [(0, 0), (1, 0), (3, None)],
+    ids=["at-the-lock", "at-run_config.json", "while-sampling"],
+)
+def test_a_full_disk_is_one_line_saying_what_was_kept_and_leaves_no_partial_file(
+    free_pages, stored, small_disk, tiny_model_path, bench_file, capsys
+):
+    """T: an OSError traceback, and a 0-byte .run_config.json.tmp left behind. Now, on a real full tmpfs: exit 2, one
+    line naming the full disk and the samples kept, nothing half-written (no temporary file, no lock file, no cut-off
+    samples line); once space is freed the same command finishes, sampling only what is missing."""
+    out = small_disk(free_pages) / "eval"
+    argv = [
+        "--model_name_or_path", tiny_model_path, "--benchmarks", bench_file, "--output_dir", str(out),
+        "--backend", "transformers", "--no_progress", "--num_samples", "8", "--max_new_tokens", "24",
+        "--batch_size", "4",
+    ]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0].startswith("opefo-eval: error: Cannot write ") and "its disk is full (No space left" in errors[0]
+    samples = out / "samples.jsonl"
+    lines = samples.read_text().splitlines(keepends=True) if samples.exists() else []
+    assert all(line.endswith("\n") and json.loads(line) for line in lines)  # whole samples only
+    if stored is None:  # while sampling: some were kept
+        stored = len(lines)
+        assert 0 < stored < 32
+    assert len(lines) == stored
+    kept = f"the {stored} samples stored in {samples}" if stored else f"no samples yet (none in {samples})"
+    assert f"Kept: {kept}; no file of {out} is left half-written. Free space on that disk" in errors[0]
+    assert not [name for name in os.listdir(out) if name.startswith(".")]  # no .run_config.json.tmp, no lock file
+
+    os.remove(out.parent / "filler")
+    assert main(argv) == 0
+    assert len((out / "samples.jsonl").read_text().splitlines()) == 32
+    assert json.loads((out / "results.json").read_text())["benchmarks"]["arith"]["metrics"]
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda s: [s], "config.json holds a JSON list, not a mapping of the model's settings"),
+        (
+            lambda s: {**s, "vocab_size": s["vocab_size"] + 64},
+            "config.json says vocab_size=384, but the model.embed_tokens.weight of model.safetensors has 320 rows",
+        ),
+    ],
+    ids=["list", "vocab_size"],
+)
+def test_a_model_config_that_does_not_fit_its_weights_is_one_line_before_loading(
+    edit, message, tiny_model_path, bench_file, tmp_path, capsys, no_model_loading
+):
+    """S: a TypeError traceback while loading the tokenizer (a list), transformers' "mismatched sizes" RuntimeError
+    after loading (vocab_size)."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model)
+    settings = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(edit(settings)))
+    out = tmp_path / "eval"
+    argv = ["--model_name_or_path", str(model), "--benchmarks", bench_file, "--output_dir", str(out)]
+    assert main([*argv, "--backend", "transformers", "--no_progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("opefo-eval: error: ") and message in err and "Traceback" not in err
+    assert "restore the config.json saved with these weights" in err.lower() and not out.exists()

@@ -1810,3 +1810,113 @@ def test_exit_before_finalization_runs_exit_handlers_and_flushes(tmp_path):
     assert result.returncode == 3, result.stderr[-2000:]
     assert result.stdout == "buffered line"
     assert marker.read_text() == "ok"
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda s: [s], "config.json holds a JSON list, not a mapping of the model's settings"),
+        (
+            lambda s: {**s, "vocab_size": s["vocab_size"] + 64},
+            "config.json says vocab_size=384, but the model.embed_tokens.weight of model.safetensors has 320 rows",
+        ),
+    ],
+    ids=["list", "vocab_size"],
+)
+def test_a_model_config_that_does_not_fit_its_weights_is_one_line_before_loading(
+    edit, message, tiny_model_path, problems_file, tmp_path, no_model_loading, capsys, snapshot
+):
+    """S: a TypeError traceback while loading the tokenizer (a list), transformers' "mismatched sizes" RuntimeError
+    after loading (vocab_size)."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model)
+    settings = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(edit(settings)))
+    argv = ["--config", RECIPE, *_cpu_overrides(str(model), problems_file, str(tmp_path / "out"))]
+    before = snapshot(tmp_path)
+    assert main(argv) == 2
+    err = _cli_error(capsys.readouterr().err)
+    assert err.startswith(f"opefo-train: error: {model}/config.json" if "list" in message else "opefo-train: error: ")
+    assert message in err and "restore the config.json saved with these weights" in err.lower()
+    assert snapshot(tmp_path) == before
+
+
+def _error_lines(err: str) -> list[str]:
+    """The lines of stderr that say "error", each from its ``opefo-train: error:`` on (after a progress bar)."""
+    lines = [line for line in err.splitlines() if "error" in line.lower()]
+    return [line[line.find("opefo-train: error:") :] if "opefo-train: error:" in line else line for line in lines]
+
+
+def _poison(weights_file, tensor, value):
+    """Set one entry of ``tensor`` in the safetensors file ``weights_file`` to ``value`` (a diverged run's weights)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(weights_file))
+    weights[tensor].view(-1)[1] = value
+    save_file(weights, str(weights_file), metadata={"format": "pt"})
+
+
+@pytest.fixture
+def no_generation(monkeypatch):
+    """Fail the test if a completion is ever sampled."""
+    import trl
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a completion was about to be sampled")
+
+    monkeypatch.setattr(trl.GRPOTrainer, "_generate_single_turn", refuse)
+
+
+def test_weights_holding_nan_or_inf_are_one_line_before_the_first_generation(
+    tiny_model_path, problems_file, tmp_path, reward_module, no_generation, capsys
+):
+    """R: torch's "probability tensor contains either `inf`, `nan` or element < 0" RuntimeError traceback at the first
+    generation."""
+    model = tmp_path / "diverged"
+    shutil.copytree(tiny_model_path, model)
+    _poison(model / "model.safetensors", "model.layers.1.self_attn.q_proj.weight", float("nan"))
+    _poison(model / "model.safetensors", "model.norm.weight", float("-inf"))
+    out = tmp_path / "out"
+    argv = [
+        "--config", RECIPE, *_cpu_overrides(str(model), problems_file, str(out)),
+        "--reward_funcs", "opefo_cli_test_rewards.digit_overlap_reward",
+    ]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and _error_lines(err) == [
+        f"opefo-train: error: The weights of {model} hold NaN or inf (2 tensor(s): "
+        "model.layers.1.self_attn.q_proj.weight, model.norm.weight): sampling from them fails at the first "
+        "generation (a probability tensor holding NaN), and no update can make them finite again. Train from finite "
+        "weights: the base model, or an earlier checkpoint of the run that wrote these."
+    ]
+    assert not out.exists()  # the refused run left nothing
+
+
+def test_a_resumed_checkpoint_whose_weights_hold_inf_is_one_line_naming_it(
+    tiny_model_path, problems_file, tmp_path, reward_module, monkeypatch, capsys
+):
+    """R, on a resume: the checkpoint's weights (loaded over the model's by the resume) are the ones checked."""
+    out = tmp_path / "out"
+    argv = [
+        "--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(out), save_steps=1),
+        "--reward_funcs", "opefo_cli_test_rewards.digit_overlap_reward",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    checkpoint = out / "checkpoint-1"
+    _poison(checkpoint / "model.safetensors", "model.embed_tokens.weight", float("inf"))
+    capsys.readouterr()
+    import trl
+
+    monkeypatch.setattr(trl.GRPOTrainer, "_generate_single_turn", None)  # a call would be a TypeError traceback
+    assert main([*argv, "--max_steps", "2", "--resume_from_checkpoint", str(checkpoint)]) == 2
+    err = capsys.readouterr().err
+    errors = _error_lines(err)
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0].startswith(
+        f"opefo-train: error: The weights of {checkpoint} hold NaN or inf (1 tensor(s): model.embed_tokens.weight): "
+    )
+    assert errors[0].endswith(
+        "Resume from an earlier checkpoint of the run (--resume_from_checkpoint <its folder>), whose weights are "
+        "finite, perhaps with a lower learning_rate."
+    )
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 
@@ -111,3 +112,59 @@ def test_weight_fingerprints_follow_every_byte_whatever_the_mtime(tmp_path):
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert os.stat(path).st_size == stat.st_size and os.stat(path).st_mtime_ns == stat.st_mtime_ns
     assert weight_fingerprints(tmp_path) != first
+
+
+def _misconfigured_copy(model, folder, edit):
+    """A copy of the model folder ``model`` whose config.json is ``edit(settings)`` written as JSON."""
+    import shutil
+
+    shutil.copytree(model, folder)
+    with open(os.path.join(folder, "config.json")) as f:
+        settings = json.load(f)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(edit(settings), f)
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda s: [s], "config.json holds a JSON list, not a mapping of the model's settings: it is not a file"),
+        (lambda s: "qwen2", "config.json holds a JSON string, not a mapping of the model's settings"),
+        (
+            lambda s: {**s, "vocab_size": s["vocab_size"] + 64},
+            "config.json says vocab_size=384, but the model.embed_tokens.weight of model.safetensors has 320 rows",
+        ),
+        (
+            lambda s: {**s, "tie_word_embeddings": False},  # then lm_head.weight must be stored: it is not compared
+            None,
+        ),
+    ],
+    ids=["list", "string", "vocab_size", "untied"],
+)
+def test_check_model_config_refuses_a_config_that_is_not_the_weights(edit, message, tiny_model_path, tmp_path):
+    """S: transformers' TypeError ("argument after ** must be a mapping") or "mismatched sizes" RuntimeError."""
+    from opefo_trl.data.model_files import check_model_config
+
+    model = _misconfigured_copy(tiny_model_path, tmp_path / "model", edit)
+    if message is None:
+        check_model_config(model)
+        return
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        check_model_config(model)
+    assert "restore the config.json saved with these weights" in str(err.value).lower()
+
+
+def test_check_model_config_compares_an_untied_output_head(tiny_model_path, tmp_path):
+    """An untied head (``lm_head.weight`` stored) is compared as the input embedding is."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from opefo_trl.data.model_files import check_model_config
+
+    model = _misconfigured_copy(tiny_model_path, tmp_path / "model", lambda s: {**s, "tie_word_embeddings": False})
+    weights = load_file(os.path.join(model, "model.safetensors"))
+    weights["lm_head.weight"] = torch.zeros(256, weights["model.embed_tokens.weight"].shape[1])
+    save_file(weights, os.path.join(model, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=re.escape("the lm_head.weight of model.safetensors has 256 rows")):
+        check_model_config(model)
