@@ -1788,11 +1788,14 @@ def test_the_math_reward_mode_from_a_recipe_or_the_command_line_builds_the_rewar
         _, (reward,) = cli.prepare_inputs(script_args, training_args, model_args)
         assert reward(restated, solution=["9"]) == [paid]
     recipe = tmp_path / "strict.yaml"
-    recipe.write_text(open(RECIPE).read() + "\nmath_reward_mode: strict\n")
-    assert parse_args(["--config", str(recipe), "--use_cpu", "true"])[0].math_reward_mode == "strict"
-    recipe.write_text(open(RECIPE).read() + "\nmath_reward_mode: final\n")
+    recipe.write_text(RECIPE_TEXT + "\nmath_reward_mode: strict\n")
+    assert (
+        parse_args(["--config", str(recipe), "--use_cpu", "true", "--report_to", "none"])[0].math_reward_mode
+        == "strict"
+    )
+    recipe.write_text(RECIPE_TEXT + "\nmath_reward_mode: final\n")
     with pytest.raises(ValueError, match="math_reward_mode='final' is not a mode of the math reward"):
-        parse_args(["--config", str(recipe), "--use_cpu", "true"])
+        parse_args(["--config", str(recipe), "--use_cpu", "true", "--report_to", "none"])
 
 
 def test_exit_before_finalization_runs_exit_handlers_and_flushes(tmp_path):

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import flat_recipe_text
 
 pytestmark = pytest.mark.real_model
 
@@ -50,7 +51,7 @@ def test_opefo_train_with_a_shipped_recipe_then_opefo_eval_on_what_it_saved(
 ):
     import yaml
 
-    recipe = yaml.safe_load(RECIPE.read_text())
+    recipe = yaml.safe_load(flat_recipe_text(RECIPE))  # the recipe merged onto its base.yaml
     (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)
     trained = tmp_path / "run"
     status, output = run(
@@ -59,7 +60,7 @@ def test_opefo_train_with_a_shipped_recipe_then_opefo_eval_on_what_it_saved(
         "--reward_funcs", recipe["reward_funcs"][0], "length_reward.characters_reward", "--output_dir", trained,
         "--use_vllm", "false", "--bf16", "false", "--use_cpu", "true", "--num_generations", GENERATIONS,
         "--per_device_train_batch_size", PER_DEVICE, "--gradient_accumulation_steps", ACCUMULATION,
-        "--max_completion_length", MAX_COMPLETION, "--max_steps", 2,
+        "--max_completion_length", MAX_COMPLETION, "--max_steps", 2, "--report_to", "none",
         cwd=tmp_path,
     )  # fmt: skip
     assert status == 0, output[-3000:]
