@@ -13,7 +13,8 @@ belong to no file and are not). Two configurations:
 
 Reported per configuration: ``modules``, every package module a call entered; ``weight_path``, the same without the
 calls made under the reward computation (``OPEFOTrainer._calculate_rewards``: TRL's reward functions and their check,
-upstream of the advantages, the same for every method) and the audit's bookkeeping (``EntropyAudit.keep_batch``);
+upstream of the advantages, the same for every method), the audit's bookkeeping (``EntropyAudit.keep_batch``) and
+the one-time check of the loaded weights (``check_finite_policy``);
 ``entries``, the calls into each module from another file; ``maths_callbacks``, calls from ``opefo_trl/maths/`` into
 another package folder (caller -> callee: count).
 
@@ -33,7 +34,12 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 #: Calls whose whole subtree is off the weight's path (file inside the package, function name).
-OFF_PATH = {("trainer/trainer.py", "_calculate_rewards"), ("trainer/audit.py", "keep_batch")}
+OFF_PATH = {
+    ("trainer/trainer.py", "_calculate_rewards"),
+    ("trainer/audit.py", "keep_batch"),
+    ("trainer/checks.py", "check_finite_policy"),  # once, before the first generation
+    ("trainer/parts.py", "core_model"),  # names the model for that check's message
+}
 CONFIGURATIONS = {
     "recipes": dict(entropy_flow_estimate="opefo"),
     "param": dict(entropy_flow_estimate="param", opefo_balance="step", entropy_flow_preconditioner="adam"),
