@@ -3,6 +3,7 @@
     python benchmarks/bench_step.py                 # tiny Qwen2 shape, Qwen vocabulary (151,936), 128-token completions
     python benchmarks/bench_step.py --steps 3 --repeats 1 --vocab_size 4096   # a quick look
     python benchmarks/bench_step.py --configs grpo_strict opefo opefo_param --output_json bench.json
+    python benchmarks/bench_step.py --real_model --completion_length 64   # SmolLM2-135M-Instruct (make test-real)
 
 Each configuration is built from the same saved model and trained for `--steps` optimizer steps (the first is a
 warm-up and not timed); configurations are interleaved over `--repeats` rounds so drift hits all alike. Reported
@@ -104,6 +105,17 @@ def default_configurations() -> list[str]:
 class BenchSettings:
     """What `bench_step.py` measures (the model's shape, the batch, the configurations)."""
 
+    real_model: bool = field(
+        default=False,
+        metadata={
+            "help": "Benchmark the real pretrained SmolLM2-135M-Instruct (opefo_trl.real_model; 30 layers, vocabulary "
+            "49,152) instead of a random model; the shape options below are then unused."
+        },
+    )
+    model_path: str | None = field(
+        default=None,
+        metadata={"help": "Benchmark this local model folder instead of a random model (shape options unused)."},
+    )
     vocab_size: int = field(default=151_936, metadata={"help": "Vocabulary of the random model (Qwen's: 151,936)."})
     hidden_size: int = field(default=64, metadata={"help": "Hidden size of the random Qwen2 model."})
     num_layers: int = field(default=2, metadata={"help": "Decoder layers of the random model."})
@@ -143,6 +155,11 @@ class BenchSettings:
         for name in ("steps", "repeats", "completions", "completion_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.real_model and self.model_path:
+            raise ValueError("Give --real_model or --model_path, not both.")
+        if self.real_model or self.model_path:
+            # Its token ids are the tiny tokenizer's digits: meaningless for another vocabulary.
+            self.configs = [c for c in self.configs if c != "opefo_param_step_task"]
         if any(self.completions % a for a in self.accumulation):
             raise ValueError(f"completions ({self.completions}) must be divisible by every accumulation value.")
 
@@ -414,6 +431,13 @@ def bench_vocab_pass(hidden_size: int, vocab: int, tokens: int, repeats: int = 5
 
 
 def build_model(settings: BenchSettings, work: str) -> str:
+    """The model folder to benchmark: the real model, the given folder, or a random model of the given shape."""
+    if settings.real_model:
+        from opefo_trl.real_model import smollm2_135m_instruct
+
+        return str(smollm2_135m_instruct())
+    if settings.model_path:
+        return settings.model_path
     return build_tiny_model(
         os.path.join(work, "model"),
         vocab_size=settings.vocab_size,
@@ -442,8 +466,12 @@ def main(argv=None) -> int:
     model_path = build_model(settings, work)
     dataset = prompts_dataset()
     device = "cuda" if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
+    from transformers import AutoConfig
+
+    shape = AutoConfig.from_pretrained(model_path)
     print(
-        f"device: {device}; vocab {settings.vocab_size}, hidden {settings.hidden_size}, {settings.num_layers} layers, "
+        f"device: {device}; model {model_path}: vocab {shape.vocab_size}, hidden {shape.hidden_size}, "
+        f"{shape.num_hidden_layers} layers; "
         f"{settings.completions} completions x {settings.completion_length} tokens per optimizer step, "
         f"{settings.steps} steps x {settings.repeats} repeats\n"
     )
@@ -451,10 +479,10 @@ def main(argv=None) -> int:
     for key, medians in results.items():
         if key != "skipped":
             print(f"gradient_accumulation_steps={key.split('_')[-1]}\n{markdown_table(medians)}\n")
-    vocab = bench_vocab_pass(settings.vocab_pass_hidden_size, settings.vocab_size, settings.vocab_pass_tokens)
+    vocab = bench_vocab_pass(settings.vocab_pass_hidden_size, shape.vocab_size, settings.vocab_pass_tokens)
     print(
         f"vocabulary pass ({settings.vocab_pass_tokens} tokens x hidden {settings.vocab_pass_hidden_size} x vocab "
-        f"{settings.vocab_size}): logsumexp {vocab['logsumexp_seconds'] * 1e3:.1f} ms, vocab_stats "
+        f"{shape.vocab_size}): logsumexp {vocab['logsumexp_seconds'] * 1e3:.1f} ms, vocab_stats "
         f"{vocab['vocab_stats_seconds'] * 1e3:.1f} ms, ratio {vocab['ratio']:.3f}"
     )
     if settings.output_json:
