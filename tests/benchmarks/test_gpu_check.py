@@ -235,3 +235,12 @@ def test_bench_step_refuses_unknown_configurations_with_the_valid_ones(capsys):
     bench_step = _load("bench_step")
     assert bench_step.main(["--configs", "opefo_parm"]) == 2
     assert "Unknown configuration(s) ['opefo_parm']; choose among" in capsys.readouterr().err
+
+
+def test_bench_step_takes_one_model_folder_and_drops_the_tiny_tokenizers_task_tokens(capsys):
+    bench_step = _load("bench_step")
+    assert bench_step.main(["--real_model", "--model_path", "some/folder"]) == 2
+    assert "Give --real_model or --model_path, not both." in capsys.readouterr().err
+    settings = bench_step.BenchSettings(model_path="some/folder", configs=["opefo_param_step_task", "opefo"])
+    assert settings.configs == ["grpo_strict", "opefo"]
+    assert bench_step.build_model(settings, "unused") == "some/folder"
