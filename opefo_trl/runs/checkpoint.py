@@ -34,16 +34,19 @@ from opefo_trl.runs.files import (
     CHECKPOINT_RE,
     LOW_SPACE,
     METHOD_STATE_NAME,
+    SET_ASIDE_DIR,
     TORCH_SAVE_RE,
     TRAINER_STATE_NAME,
     WEIGHTS_RE,
     CheckpointError,
     CheckpointSaveError,
+    RunFolderError,
     checkpoint_step,
     free_bytes,
     remove_entry,
     write_json_atomically,
 )
+from opefo_trl.runs.folder import run_files
 from opefo_trl.runs.options import save_run_options
 
 logger = logging.getLogger(__name__)
@@ -376,12 +379,25 @@ def reported_write_errors(folder: str, what: str, writer: bool = True) -> Iterat
         if disk_full and not isinstance(err, OSError):
             cause = f"the disk is full ({free} bytes free; {cause})"
         gone = "was removed" if not os.path.exists(folder) else "has no completion marker, so it is never resumed"
-        whole = [path for _, path in checkpoints(os.path.dirname(os.path.normpath(folder))) if path != folder]
-        then = (
-            "resume from the last whole checkpoint with --resume_from_checkpoint true"
-            if any(_first_problem(path) is None for path in whole)
-            else "run the command again (no whole checkpoint of this run is left to resume from)"
-        )
+        run_dir = os.path.dirname(os.path.normpath(folder))
+        whole = [path for _, path in checkpoints(run_dir) if path != folder]
+        # What a fresh run wrote besides the failed folder (its metrics), for which opefo-train refuses a plain rerun;
+        # an overwrite's own command already overwrites (and its run's files go when the earlier run is moved back).
+        try:
+            logged = [name for name in run_files(run_dir) if name != os.path.basename(os.path.normpath(folder))]
+        except RunFolderError:  # a damaged manifest: the next command names it
+            logged = []
+        if os.path.isdir(os.path.join(run_dir, SET_ASIDE_DIR)):
+            logged = []
+        if any(_first_problem(path) is None for path in whole):
+            then = "resume from the last whole checkpoint with --resume_from_checkpoint true"
+        elif logged:
+            then = (
+                "run the command again with --overwrite_output_dir true (no whole checkpoint of this run is left to "
+                f"resume from; the overwrite replaces the {shown_files(logged)} it left in {run_dir})"
+            )
+        else:
+            then = "run the command again (no whole checkpoint of this run is left to resume from)"
         raise CheckpointSaveError(
             f"Cannot save the {what} {folder}: {cause}. The unfinished {what} {gone}. Free space on that disk (or make "
             f"the folder writable), then {then}."

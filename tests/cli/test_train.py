@@ -1266,6 +1266,34 @@ def test_a_really_full_disk_during_a_checkpoint_is_one_line_and_leaves_no_partia
     assert set(os.listdir(out)) - {MANIFEST_NAME} <= set(read_manifest(str(out)))  # what remains is the run's own
 
 
+def test_the_command_a_full_disk_at_a_fresh_runs_first_checkpoint_names_works_once_there_is_space(
+    small_disk, tiny_model_path, problems_file, reward_module, capsys
+):
+    """W: the message said "run the command again"; that rerun was refused ("holds an earlier run ... resume it"), and
+    the resume failed ("no checkpoint-<step> folder"). The command the message names now trains, once the disk has
+    room (the tmpfs remounted larger)."""
+    import re
+    import subprocess
+
+    out = small_disk / "out"
+    argv = [
+        "--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(out), save_steps=1),
+        "--reward_funcs", "opefo_cli_test_rewards.digit_overlap_reward",
+    ]  # fmt: skip
+    assert main(argv) == 2
+    (error,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("opefo-train: error:")]
+    then = error.split("Free space on that disk (or make the folder writable), then ", 1)[1]
+    subprocess.run(["mount", "-o", "remount,size=8m", str(small_disk)], check=True)
+    named = re.findall(r"(--\w+) (\S+?)\b", then.split(" (", 1)[0])  # the options the command is run again with
+    assert main([*argv, *(part for option in named for part in option)]) == 0, capsys.readouterr().err
+    assert then == (
+        "run the command again with --overwrite_output_dir true (no whole checkpoint of this run is left to resume "
+        f"from; the overwrite replaces the README.md, metrics.jsonl it left in {out})."
+    )
+    assert (out / "checkpoint-1").is_dir() and (out / "model.safetensors").is_file()
+    assert [m["step"] for m in _metrics(str(out)) if "reward" in m] == [1]  # the failed run's line replaced
+
+
 def test_probe_prompts_are_set_aside_from_training_and_sampled_as_the_fixed_probe(
     tiny_model_path, problems_file, tmp_path, reward_module
 ):
