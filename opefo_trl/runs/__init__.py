@@ -18,6 +18,7 @@ Example:
 
 from opefo_trl.runs.checkpoint import (
     check_checkpoint,
+    check_rollout_boundary,
     check_steps_left,
     checkpoints,
     foreign_checkpoint_files,
@@ -30,6 +31,7 @@ from opefo_trl.runs.checkpoint import (
     rotate_run_checkpoints,
     save_method_state,
     saving_checkpoint,
+    updates_per_rollout,
 )
 from opefo_trl.runs.files import (
     CHECKPOINT_MARKER,
@@ -90,6 +92,7 @@ __all__ = [
     "busy_message",
     "check_checkpoint",
     "check_resume_options",
+    "check_rollout_boundary",
     "check_steps_left",
     "checkpoint_step",
     "checkpoints",
@@ -112,5 +115,6 @@ __all__ = [
     "run_files",
     "save_method_state",
     "saving_checkpoint",
+    "updates_per_rollout",
     "write_manifest",
 ]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import os
 import shutil
 import zipfile
@@ -356,6 +357,55 @@ def check_steps_left(checkpoint: str, planned_steps: int) -> None:
             f"(max_steps, or num_train_epochs over the data), so it has finished; {final_model}. To train further, "
             "raise max_steps or num_train_epochs."
         )
+
+
+def updates_per_rollout(args: Any) -> int:
+    """How many optimizer steps of a run (its `GRPOConfig`) train on one rollout batch, as TRL 1.16 schedules them: it
+    samples a rollout every ``steps_per_generation * num_iterations`` micro-batches (``GRPOTrainer._prepare_inputs``)
+    and an optimizer step takes ``gradient_accumulation_steps`` of them, so a new rollout starts right after the steps
+    that are multiples of this. 1: every step starts on a rollout of its own (on-policy).
+
+    >>> from types import SimpleNamespace
+    >>> updates_per_rollout(SimpleNamespace(steps_per_generation=16, num_iterations=1, gradient_accumulation_steps=2))
+    8
+    >>> updates_per_rollout(SimpleNamespace(steps_per_generation=16, num_iterations=1, gradient_accumulation_steps=16))
+    1
+    """
+    micro_batches = args.steps_per_generation * args.num_iterations
+    return micro_batches // math.gcd(micro_batches, args.gradient_accumulation_steps)
+
+
+def check_rollout_boundary(checkpoint: str, args: Any) -> None:
+    """Refuse to resume a checkpoint saved between the updates of one rollout (:func:`updates_per_rollout`): TRL keeps
+    the rollout it trains on in memory (``_buffered_inputs``), not in the checkpoint, so the resumed run would sample
+    a new rollout and train the rollout's remaining updates on other completions. Names the latest whole checkpoint
+    before it that is at a rollout boundary."""
+    per_rollout = updates_per_rollout(args)
+    step = checkpoint_step(checkpoint)
+    if step % per_rollout == 0:
+        return
+    end = step - step % per_rollout + per_rollout
+    left = f"step {end}" if end == step + 1 else f"steps {step + 1}-{end}"
+    run = os.path.dirname(os.path.normpath(checkpoint))
+    earlier = [
+        path for s, path in checkpoints(run) if s < step and s % per_rollout == 0 and _first_problem(path) is None
+    ]
+    if earlier:
+        fix = f"Resume from {earlier[-1]}, the latest checkpoint at a rollout boundary, with --resume_from_checkpoint"
+        fix += f" {earlier[-1]}"
+    else:
+        fix = (
+            f"No checkpoint before it is at a rollout boundary: start afresh without resume_from_checkpoint, or a new "
+            f"run from its weights (--model_name_or_path {checkpoint})"
+        )
+    raise CheckpointError(
+        f"Cannot resume {checkpoint}: it was saved at step {step}, between the updates of one rollout. This run trains "
+        f"{per_rollout} optimizer steps on each rollout batch (TRL samples one every steps_per_generation "
+        f"{args.steps_per_generation} x num_iterations {args.num_iterations} micro-batches, an optimizer step takes "
+        f"gradient_accumulation_steps {args.gradient_accumulation_steps}) and keeps the rollout in memory, not in the "
+        f"checkpoint: the resume would sample a new rollout and train {left} on other completions than the run's. "
+        f"{fix}. To keep every checkpoint resumable, make save_steps (and max_steps) a multiple of {per_rollout}."
+    )
 
 
 @contextmanager

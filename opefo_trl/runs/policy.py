@@ -25,6 +25,7 @@ from typing import Any
 
 from opefo_trl.runs.checkpoint import (
     check_checkpoint,
+    check_rollout_boundary,
     check_steps_left,
     checkpoints,
     foreign_checkpoint_files,
@@ -236,12 +237,14 @@ class OutputDirPolicy:
                 )
 
     def check_resume(self, planned_steps: int) -> None:
-        """Refuse to resume a checkpoint at or past the run's ``planned_steps``, or with options it would override
-        (:func:`~opefo_trl.runs.check_resume_options`; what it takes is said when training resumes)."""
+        """Refuse to resume a checkpoint at or past the run's ``planned_steps``, with options it would override
+        (:func:`~opefo_trl.runs.check_resume_options`; what it takes is said when training resumes), or saved between
+        the updates of one rollout (:func:`~opefo_trl.runs.check_rollout_boundary`)."""
         resume = resume_checkpoint(self.args.resume_from_checkpoint, self.args.output_dir, self.args.method, warn=False)
         if resume is not None:
             check_steps_left(resume, planned_steps)
             check_resume_options(resume, self.args)
+            check_rollout_boundary(resume, self.args)
 
     @contextmanager
     def held(self) -> Iterator[RunFolder | None]:

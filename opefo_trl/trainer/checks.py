@@ -35,6 +35,8 @@ from typing import Any
 
 from trl.trainer.utils import is_async_callable
 
+from opefo_trl.runs.checkpoint import updates_per_rollout
+
 
 class NonFiniteWeightsError(ValueError):
     """The policy's weights hold NaN or inf when training starts (the message names the tensors and what to train
@@ -168,7 +170,43 @@ def _sampling_and_run_problems(args) -> list[str]:
         value = getattr(args, option, None)
         if value is not None and not 0 <= value < 2**32:
             problems.append(f"{option}={value}: seeds must be in [0, 2**32 - 1] (numpy's range)")
+    problem = save_steps_problem(args)
+    if problem:
+        problems.append(problem)
     return problems
+
+
+def save_steps_problem(args) -> str | None:
+    """Why ``save_steps`` would save checkpoints that cannot be resumed, or None: in an off-policy configuration (more
+    than one optimizer step per rollout batch, :func:`~opefo_trl.runs.updates_per_rollout`), a checkpoint between
+    the updates of one rollout is refused on resume (TRL keeps the rollout in memory, not in the checkpoint). Refused
+    rather than warned about: such checkpoints are never resumable, ``save_total_limit`` can rotate out every one that
+    is, and the fix costs nothing.
+
+    >>> from types import SimpleNamespace
+    >>> args = SimpleNamespace(save_strategy="steps", save_steps=50, steps_per_generation=16, num_iterations=1,
+    ...                        gradient_accumulation_steps=2)
+    >>> print(save_steps_problem(args))  # doctest: +ELLIPSIS
+    save_steps=50 saves between the updates of one rollout: ... give save_steps a multiple of 8 (e.g. 56)
+    """
+    if getattr(getattr(args, "save_strategy", None), "value", getattr(args, "save_strategy", None)) != "steps":
+        return None
+    counts = ("steps_per_generation", "num_iterations", "gradient_accumulation_steps")
+    if not all(isinstance(getattr(args, n, None), int) and getattr(args, n) >= 1 for n in counts):
+        return None  # a count below 1 is refused on its own
+    per_rollout = updates_per_rollout(args)
+    save_steps = args.save_steps
+    if per_rollout == 1 or (save_steps >= 1 and save_steps % per_rollout == 0):
+        return None
+    what = f"save_steps={save_steps}" + (" (a fraction of the run's steps) can save" if save_steps < 1 else " saves")
+    suggested = per_rollout * max(1, math.ceil(save_steps / per_rollout))
+    return (
+        f"{what} between the updates of one rollout: this configuration trains {per_rollout} optimizer steps on "
+        f"each rollout batch (steps_per_generation {args.steps_per_generation} x num_iterations {args.num_iterations} "
+        f"micro-batches per rollout, gradient_accumulation_steps {args.gradient_accumulation_steps} per step), and a "
+        "checkpoint between them cannot be resumed (TRL keeps the rollout in memory, not in the checkpoint); give "
+        f"save_steps a multiple of {per_rollout} (e.g. {suggested})"
+    )
 
 
 def vllm_option_problems(gpu_memory_utilization: float | None, tensor_parallel_size: int | None) -> list[str]:

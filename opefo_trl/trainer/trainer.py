@@ -48,6 +48,7 @@ from trl.trainer.utils import get_config_model_id  # noqa: E402
 from opefo_trl.methods import TokenMethod, get_token_method_class  # noqa: E402
 from opefo_trl.runs import (  # noqa: E402
     check_resume_options,
+    check_rollout_boundary,
     load_method_state,
     resume_checkpoint,
     saving_checkpoint,
@@ -206,6 +207,7 @@ class OPEFOTrainer(GRPOTrainer):
         if checkpoint is not None:
             for change in check_resume_options(checkpoint, self.args):  # refuses what the checkpoint would override
                 logger.warning(change)
+            check_rollout_boundary(checkpoint, self.args)  # TRL's rollout buffer is not in the checkpoint
         self._resumed_checkpoint, self._policy_checked = checkpoint, False
         return super().train(checkpoint, *args, **kwargs)
 

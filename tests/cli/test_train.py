@@ -31,6 +31,11 @@ def digit_overlap_reward(completions, solution, **kwargs):
         text = completion[-1]["content"]
         rewards.append(sum(d in text for d in set(gold)) / len(set(gold)))
     return rewards
+
+
+def text_length_reward(completions, **kwargs):
+    """The completion's length in characters / 32: rewards that differ within a group from the first step."""
+    return [len(completion[-1]["content"]) / 32 for completion in completions]
 '''
 
 
@@ -309,6 +314,13 @@ def _cli_error(err: str) -> str:
         (["--gradient_accumulation_steps", "0"], ValueError, "gradient_accumulation_steps=0: must be at least 1."),
         (["--gradient_accumulation_steps", "-1"], ValueError, "gradient_accumulation_steps=-1: must be at least 1."),
         (["--per_device_train_batch_size", "0"], ValueError, "per_device_train_batch_size=0: must be at least 1."),
+        # H: checkpoints between the updates of one rollout (2 here) cannot be resumed.
+        (
+            ["--method", "grpo", "--steps_per_generation", "4", "--save_steps", "3"],
+            ValueError,
+            "save_steps=3 saves between the updates of one rollout: this configuration trains 2 optimizer steps on "
+            "each rollout batch",
+        ),  # fmt: skip
         # Non-finite numbers: before, lr inf trained a non-finite model with exit 0, nan and temperature nan crashed.
         (["--learning_rate", "inf"], ValueError, "learning_rate=inf: must be a finite number"),
         (["--learning_rate", "nan"], ValueError, "learning_rate=nan: must be a finite number"),
@@ -589,6 +601,63 @@ def test_resume_restores_optimizer_and_method_state(tiny_model_path, problems_fi
         == 0
     )
     assert [m["step"] for m in _metrics(first) if "par/coef" in m] == [1, 2, 3, 4]
+
+
+GRPO_RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "qwen2.5-math-7b", "grpo.yaml")
+
+
+def test_a_resume_at_a_rollout_boundary_trains_what_the_uninterrupted_run_does_and_one_between_is_refused(
+    tiny_model_path, problems_file, tmp_path, reward_module, monkeypatch, capsys, snapshot
+):
+    """H: two optimizer steps per rollout batch (steps_per_generation 2, gradient_accumulation_steps 1). A resume
+    from step 3 of 4, between the two updates of the second rollout, sampled a new rollout and trained step 4 on
+    other completions than the uninterrupted run (TRL's rollout buffer is not in the checkpoint), exit 0. It is now
+    refused before loading, naming checkpoint-2; the resume from checkpoint-2 logs what the uninterrupted run logged
+    and ends with its weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    import opefo_trl.trainer
+
+    off_policy = dict(gradient_accumulation_steps=1, steps_per_generation=2, save_steps=2, lr_scheduler_type="constant")
+    reward = ["--reward_funcs", "opefo_cli_test_rewards.text_length_reward"]
+
+    def argv(out, max_steps, *extra):
+        overrides = _cpu_overrides(tiny_model_path, problems_file, str(out), max_steps=max_steps, **off_policy)
+        return ["--config", GRPO_RECIPE, *overrides, "--learning_rate", "1e-3", *reward, *extra]
+
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    assert main(argv(whole, 4)) == 0
+    assert main(argv(stopped, 3)) == 0  # its final checkpoint, checkpoint-3, is between the updates of a rollout
+    assert sorted(n for n in os.listdir(stopped) if n.startswith("checkpoint-")) == ["checkpoint-2", "checkpoint-3"]
+    capsys.readouterr()
+
+    before = snapshot(tmp_path)
+    with monkeypatch.context() as refused_before_loading:
+        refused_before_loading.setattr(opefo_trl.trainer, "OPEFOTrainer", lambda *a, **k: pytest.fail("loaded"))
+        assert main(argv(stopped, 4, "--resume_from_checkpoint", "true")) == 2
+    assert _cli_error(capsys.readouterr().err) == (
+        f"opefo-train: error: Cannot resume {stopped / 'checkpoint-3'}: it was saved at step 3, between the updates of "
+        "one rollout. This run trains 2 optimizer steps on each rollout batch (TRL samples one every "
+        "steps_per_generation 2 x num_iterations 1 micro-batches, an optimizer step takes gradient_accumulation_steps "
+        "1) and keeps the rollout in memory, not in the checkpoint: the resume would sample a new rollout and train "
+        f"step 4 on other completions than the run's. Resume from {stopped / 'checkpoint-2'}, the latest checkpoint "
+        f"at a rollout boundary, with --resume_from_checkpoint {stopped / 'checkpoint-2'}. To keep every checkpoint "
+        "resumable, make save_steps (and max_steps) a multiple of 2.\n"
+    )
+    assert snapshot(tmp_path) == before
+
+    assert main(argv(stopped, 4, "--resume_from_checkpoint", str(stopped / "checkpoint-2"))) == 0
+    uninterrupted = {m["step"]: m for m in _metrics(str(whole)) if "loss" in m}
+    resumed = {m["step"]: m for m in _metrics(str(stopped)) if "loss" in m}
+    assert sorted(resumed) == sorted(uninterrupted) == [1, 2, 3, 4]
+    assert uninterrupted[4]["loss"] != 0 and uninterrupted[4]["grad_norm"] > 0  # the rollout's second update trains
+    for step in (3, 4):  # step 3 samples the rollout (its reward is logged), step 4 trains on it again
+        for key in ("loss", "grad_norm", "entropy", *(("reward",) if step == 3 else ())):
+            assert resumed[step][key] == pytest.approx(uninterrupted[step][key], rel=1e-5, abs=1e-8), (step, key)
+    weights, expected = load_file(str(stopped / "model.safetensors")), load_file(str(whole / "model.safetensors"))
+    for name, tensor in expected.items():
+        torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-7, msg=name)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

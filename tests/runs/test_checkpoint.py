@@ -19,10 +19,12 @@ from opefo_trl.runs import (
     CheckpointError,
     CheckpointSaveError,
     check_checkpoint,
+    check_rollout_boundary,
     load_method_state,
     mark_checkpoint_complete,
     resume_checkpoint,
     saving_checkpoint,
+    updates_per_rollout,
 )
 
 
@@ -248,6 +250,45 @@ def test_a_failed_first_checkpoint_does_not_advise_a_resume_with_nothing_to_resu
         "then run the command again (no whole checkpoint of this run is left to resume from)."
     )
     assert "--resume_from_checkpoint" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "steps_per_generation, num_iterations, accumulation, per_rollout",
+    [(2, 1, 2, 1), (2, 1, 4, 1), (16, 1, 2, 8), (4, 2, 2, 4), (2, 1, 3, 2)],
+)
+def test_the_updates_per_rollout_are_trls(steps_per_generation, num_iterations, accumulation, per_rollout):
+    """TRL 1.16 samples a rollout every steps_per_generation x num_iterations micro-batches; a new one starts right
+    after the optimizer steps whose micro-batches end on that period (GRPOTrainer._prepare_inputs)."""
+    args = SimpleNamespace(
+        steps_per_generation=steps_per_generation,
+        num_iterations=num_iterations,
+        gradient_accumulation_steps=accumulation,
+    )
+    assert updates_per_rollout(args) == per_rollout
+    generate_every = steps_per_generation * num_iterations
+    boundaries = [step for step in range(1, 13) if (step * accumulation) % generate_every == 0]  # TRL's `_step` rule
+    assert boundaries == [step for step in range(1, 13) if step % per_rollout == 0]
+
+
+def test_a_checkpoint_between_the_updates_of_a_rollout_is_refused_naming_the_last_one_at_a_boundary(
+    tmp_path, write_checkpoint
+):
+    args = SimpleNamespace(steps_per_generation=8, num_iterations=1, gradient_accumulation_steps=2)  # 4 per rollout
+    for step in (3, 4, 6, 7, 8):
+        write_checkpoint(tmp_path, step)
+    (tmp_path / "checkpoint-8" / CHECKPOINT_MARKER).unlink()  # not whole: not named
+    for step in (4, 8):
+        check_rollout_boundary(str(tmp_path / f"checkpoint-{step}"), args)
+    with pytest.raises(CheckpointError) as raised:
+        check_rollout_boundary(str(tmp_path / "checkpoint-7"), args)
+    assert str(raised.value).startswith(
+        f"Cannot resume {tmp_path / 'checkpoint-7'}: it was saved at step 7, between the updates of one rollout. This "
+        "run trains 4 optimizer steps on each rollout batch"
+    )
+    assert "train step 8 on other completions" in str(raised.value)
+    assert f"Resume from {tmp_path / 'checkpoint-4'}, the latest checkpoint at a rollout boundary" in str(raised.value)
+    with pytest.raises(CheckpointError, match="No checkpoint before it is at a rollout boundary: start afresh"):
+        check_rollout_boundary(str(tmp_path / "checkpoint-3"), args)
 
 
 def test_a_same_step_folder_that_cannot_be_removed_is_one_line(tmp_path, monkeypatch):
