@@ -208,6 +208,29 @@ def output_dir_policy(script_args, training_args, model_args) -> OutputDirPolicy
     )
 
 
+def run_inputs(script_args) -> dict:
+    """What the run trains on, recorded in each checkpoint and refused on resume when it differs
+    (`opefo_trl.runs.training_inputs`): its data (local files by SHA-256, else the data set's name, config and split)
+    and reward functions (with math_reward_mode)."""
+    from opefo_trl.data.loading import resolve_dataset_source
+    from opefo_trl.runs import training_inputs
+
+    source = resolve_dataset_source(
+        script_args.dataset_name,
+        config=script_args.dataset_config,
+        problem_column=script_args.problem_column,
+        answer_column=script_args.answer_column,
+    )
+    return training_inputs(
+        script_args.dataset_name,
+        source.config,
+        script_args.dataset_train_split,
+        script_args.dataset_files,
+        script_args.reward_funcs,
+        script_args.math_reward_mode,
+    )
+
+
 def check_context_length(script_args, training_args, model_args) -> None:
     """Refuse a ``context_length`` above the model's ``max_position_embeddings`` unless the user says so
     (``context_length_beyond_model``): prompts that long would reach positions the model was never trained on."""
@@ -250,7 +273,7 @@ def prepare_inputs(script_args, training_args, model_args) -> tuple:
         needs_rollout_pass = get_token_method_class(training_args.method).needs_rollout_pass
         check_probe_dataset(split_probe(dataset, script_args.probe_prompts)[1], training_args, needs_rollout_pass)
     steps = check_trains_some_steps(len(dataset) - script_args.probe_prompts, training_args)
-    output_dir_policy(script_args, training_args, model_args).check_resume(steps)
+    output_dir_policy(script_args, training_args, model_args).check_resume(steps, run_inputs(script_args))
     # What the machine at hand cannot run with vLLM, and dropout in training (the trainer checks them again, too late
     # for one line).
     check_vllm_setup(training_args, model_args.model_name_or_path)
@@ -311,6 +334,7 @@ def _train(script_args, training_args, model_args, train_dataset, reward_funcs, 
         quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
         probe_dataset=probe_dataset,
+        run_inputs=run_inputs(script_args),
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     # Saved aside, then moved into output_dir file by file, each named in the manifest first.

@@ -66,7 +66,7 @@ from opefo_trl.runs.folder import (
     write_manifest,
 )
 from opefo_trl.runs.metrics import metrics_files, read_metrics_lines
-from opefo_trl.runs.options import check_resume_options
+from opefo_trl.runs.options import check_resume_options, training_inputs
 from opefo_trl.runs.policy import OutputDirPolicy
 
 __all__ = [
@@ -115,6 +115,7 @@ __all__ = [
     "run_files",
     "save_method_state",
     "saving_checkpoint",
+    "training_inputs",
     "updates_per_rollout",
     "write_manifest",
 ]

@@ -492,6 +492,7 @@ def saving_checkpoint(
     state: Any,
     method_state: Callable[[], tuple[str, dict]],
     wait_for_everyone: Callable[[], None],
+    inputs: dict[str, Any] | None = None,
 ) -> Iterator[None]:
     """Around ``Trainer._save_checkpoint`` (its `TrainingArguments` and `TrainerState`): the checkpoint
     ``<run_dir>/checkpoint-<global_step>`` ends up whole, or removed.
@@ -499,8 +500,9 @@ def saving_checkpoint(
     Before the Trainer's files: a folder of the same step (a save that did not finish, or a step replayed after an
     earlier resume) is removed, and the Trainer's rotation of old checkpoints (``save_total_limit``) is held back
     (:func:`_transformers_rotation_held_back`), so that no whole checkpoint is deleted before the new one is. After
-    them (every process done): the token method's state (``method_state()``: its name and ``state_dict()``), the
-    completion marker, then the rotation, with ``args.save_total_limit``. ``args`` is only read. A failed save is
+    them (every process done): the token method's state (``method_state()``: its name and ``state_dict()``), the run's
+    options with what it trains on (``inputs``, :func:`~opefo_trl.runs.training_inputs`), the completion marker, then
+    the rotation, with ``args.save_total_limit``. ``args`` is only read. A failed save is
     handled by :func:`reported_write_errors`.
     """
     folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
@@ -532,7 +534,7 @@ def saving_checkpoint(
         wait_for_everyone()
         if writer:
             save_method_state(folder, *method_state())
-            save_run_options(folder, args)
+            save_run_options(folder, args, inputs)
             mark_checkpoint_complete(folder)
     if writer:
         rotate_run_checkpoints(run_dir, args.save_total_limit, best_model_checkpoint=state.best_model_checkpoint)

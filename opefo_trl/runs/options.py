@@ -13,6 +13,11 @@ its own, following what transformers' ``Trainer`` restores from a checkpoint:
 ``max_steps`` and ``num_train_epochs`` are how a run is extended, and logging / saving options change no result: they
 are not compared.
 
+What the run trains on is recorded beside its options when it is known (``opefo-train`` gives the trainer
+:func:`training_inputs`: the training data's identity and the reward functions) and refused on resume when it differs.
+A checkpoint that records none of it (written by an earlier version) still resumes, with one line saying that the
+data and rewards were not compared.
+
 Example:
     >>> refused, taken = compare_options({"learning_rate": 1e-6, "temperature": 1.0},
     ...                                  {"learning_rate": 2e-6, "temperature": 0.7})
@@ -23,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from enum import Enum
@@ -30,6 +36,8 @@ from typing import Any
 
 from opefo_trl.runs.files import RUN_OPTIONS_NAME, CheckpointError, checkpoint_step, write_json_atomically
 
+#: What the run trains on (:func:`training_inputs`), recorded when the trainer is given it; refused on resume.
+INPUTS: tuple[str, ...] = ("training_data", "reward_funcs", "math_reward_mode")
 #: Refused on resume, by why (the reason is part of the error).
 REFUSED: dict[str, tuple[str, ...]] = {
     "the checkpoint's scheduler and optimizer state would override it (transformers restores them)": (
@@ -55,6 +63,7 @@ REFUSED: dict[str, tuple[str, ...]] = {
         "world_size",
     ),
     "every epoch's prompt order is drawn from it": ("seed", "shuffle_dataset"),
+    "the steps already trained learned from other data or rewards, which the resumed run would mix with these": INPUTS,
 }
 #: Taken on resume, with one line each; the token methods' options are taken too.
 TAKEN: tuple[str, ...] = (
@@ -92,14 +101,52 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-def run_options(args: Any) -> dict[str, Any]:
-    """The compared options of ``args`` (a `GRPOConfig` / `OPEFOConfig`), JSON-ready."""
+def file_sha256(path: str) -> str:
+    """The SHA-256 of a file's bytes, in hex (read in 1 MiB blocks)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def training_inputs(
+    dataset_name: str,
+    dataset_config: str | None,
+    split: str,
+    data_files: list[str] | None,
+    reward_funcs: list[str],
+    math_reward_mode: str | None = None,
+) -> dict[str, Any]:
+    """What a run trains on, as its checkpoints record it (:data:`INPUTS`): the training data (local files by name and
+    SHA-256, so a moved file is the same data and an edited one is not; a data set by name, config and split) and the
+    reward functions by the names the run was given, with ``math_reward_mode`` when given.
+
+    >>> inputs = training_inputs("dapo-math-17k", "default", "train", None, ["math_accuracy_reward"], "strict")
+    >>> inputs["training_data"], inputs["reward_funcs"], inputs["math_reward_mode"]
+    ('dapo-math-17k (config default, split train)', ['math_accuracy_reward'], 'strict')
+    """
+    files = list(data_files or ([dataset_name] if os.path.isfile(dataset_name) else []))
+    if files:
+        data = ", ".join(f"{os.path.basename(path)} (sha256 {file_sha256(path)})" for path in files)
+    else:
+        data = f"{dataset_name} (config {dataset_config}, split {split})"
+    inputs: dict[str, Any] = {"training_data": data, "reward_funcs": list(reward_funcs)}
+    if math_reward_mode is not None:
+        inputs["math_reward_mode"] = _plain(math_reward_mode)
+    return inputs
+
+
+def run_options(args: Any, inputs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The compared options of ``args`` (a `GRPOConfig` / `OPEFOConfig`), JSON-ready, and ``inputs``, what the run
+    trains on (:func:`training_inputs`) if known."""
     names = [n for group in REFUSED.values() for n in group] + list(TAKEN) + _method_options(args)
-    return {name: _plain(getattr(args, name)) for name in names if hasattr(args, name)}
+    options = {name: _plain(getattr(args, name)) for name in names if hasattr(args, name)}
+    return {**options, **_plain(inputs or {})}
 
 
-def save_run_options(checkpoint: str, args: Any) -> None:
-    write_json_atomically(os.path.join(checkpoint, RUN_OPTIONS_NAME), run_options(args))
+def save_run_options(checkpoint: str, args: Any, inputs: dict[str, Any] | None = None) -> None:
+    write_json_atomically(os.path.join(checkpoint, RUN_OPTIONS_NAME), run_options(args, inputs))
 
 
 def compare_options(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:
@@ -114,10 +161,12 @@ def compare_options(saved: dict[str, Any], current: dict[str, Any]) -> tuple[lis
     return refused, taken
 
 
-def check_resume_options(checkpoint: str, args: Any) -> list[str]:
-    """Refuse to resume ``checkpoint`` with options it would override or misread (:data:`REFUSED`), naming old and new
-    values; return the lines saying what else changes. A checkpoint without ``opefo_run_options.json`` (of an earlier
-    release) is compared through its ``training_args.bin``."""
+def check_resume_options(checkpoint: str, args: Any, inputs: dict[str, Any] | None = None) -> list[str]:
+    """Refuse to resume ``checkpoint`` with options it would override or misread (:data:`REFUSED`), or with other
+    ``inputs`` (:func:`training_inputs`) than it recorded, naming old and new values; return the lines saying what
+    else changes, and that the inputs were not compared when the checkpoint records none (an earlier release). A
+    checkpoint without ``opefo_run_options.json`` (of an earlier release) is compared through its
+    ``training_args.bin``."""
     path = os.path.join(checkpoint, RUN_OPTIONS_NAME)
     if os.path.isfile(path):
         with open(path) as f:
@@ -129,7 +178,7 @@ def check_resume_options(checkpoint: str, args: Any) -> list[str]:
                 f"Resuming {checkpoint}, which holds neither {RUN_OPTIONS_NAME} nor a readable training_args.bin: its "
                 "options are not compared with this run's (a changed learning rate or batch shape is not refused)."
             ]
-    refused, taken = compare_options(saved, run_options(args))
+    refused, taken = compare_options(saved, run_options(args, inputs))
     if refused:
         reasons = [
             f"{', '.join(n for n in refused if n.split(' ', 1)[0] in names)}: {why}"
@@ -141,7 +190,14 @@ def check_resume_options(checkpoint: str, args: Any) -> list[str]:
             "with the checkpoint's values, or start a new run from its weights (--model_name_or_path "
             f"{checkpoint}, without resume_from_checkpoint)."
         )
-    return [f"Resuming {checkpoint} with {change} from step {_step(checkpoint)} on." for change in taken]
+    lines = [f"Resuming {checkpoint} with {change} from step {_step(checkpoint)} on." for change in taken]
+    unrecorded = [name for name in INPUTS if name in (inputs or {}) and name not in saved]
+    if unrecorded:
+        lines.append(
+            f"Resuming {checkpoint}, which records no {', '.join(unrecorded)} (saved by an earlier version of "
+            "opefo-trl): this run's data and reward functions are not compared with those it was trained on."
+        )
+    return lines
 
 
 def _options_of_training_args(checkpoint: str) -> dict[str, Any] | None:

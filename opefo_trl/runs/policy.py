@@ -236,14 +236,15 @@ class OutputDirPolicy:
                     "the command again."
                 )
 
-    def check_resume(self, planned_steps: int) -> None:
-        """Refuse to resume a checkpoint at or past the run's ``planned_steps``, with options it would override
-        (:func:`~opefo_trl.runs.check_resume_options`; what it takes is said when training resumes), or saved between
-        the updates of one rollout (:func:`~opefo_trl.runs.check_rollout_boundary`)."""
+    def check_resume(self, planned_steps: int, inputs: dict[str, Any] | None = None) -> None:
+        """Refuse to resume a checkpoint at or past the run's ``planned_steps``, with options it would override or
+        other ``inputs`` than it recorded (:func:`~opefo_trl.runs.check_resume_options`,
+        :func:`~opefo_trl.runs.training_inputs`; what it takes is said when training resumes), or saved between the
+        updates of one rollout (:func:`~opefo_trl.runs.check_rollout_boundary`)."""
         resume = resume_checkpoint(self.args.resume_from_checkpoint, self.args.output_dir, self.args.method, warn=False)
         if resume is not None:
             check_steps_left(resume, planned_steps)
-            check_resume_options(resume, self.args)
+            check_resume_options(resume, self.args, inputs)
             check_rollout_boundary(resume, self.args)
 
     @contextmanager

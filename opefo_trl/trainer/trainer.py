@@ -85,7 +85,9 @@ class OPEFOTrainer(GRPOTrainer):
     Takes exactly `GRPOTrainer`'s arguments (`reward_funcs` optional with an `environment_factory` that owns the
     reward; `args=None`: `GRPOConfig`'s defaults in `<model>-GRPO`, as `GRPOTrainer` names it), and `probe_dataset`: a
     data set of prompts (a `prompt` column, as `train_dataset`) never trained on, whose completions, sampled once at
-    the start, the `param` flow measures the entropy of too (`opefo_trl.trainer.probe`). `args` is an
+    the start, the `param` flow measures the entropy of too (`opefo_trl.trainer.probe`), and `run_inputs`: what the
+    run trains on, as `opefo_trl.runs.training_inputs` gives it (`opefo-train` does), recorded in every checkpoint and
+    refused on resume when it differs (None: not recorded, not compared). `args` is an
     [`OPEFOConfig`], or a `GRPOConfig` (or subclass), which is kept as it is (same object, class and fields) and given
     the OPEFO options with their defaults (`method="opefo"`). What reward functions return is checked on every call
     (`opefo_trl.trainer.checks`), and each epoch's data order follows from the seed and the epoch
@@ -113,6 +115,8 @@ class OPEFOTrainer(GRPOTrainer):
     _resumed_checkpoint: str | None = None
     #: Whether the policy's weights were found finite (checked once, before the first generation).
     _policy_checked: bool = False
+    #: What the run trains on (`opefo_trl.runs.training_inputs`), recorded in every checkpoint, compared on resume.
+    run_inputs: dict | None = None
 
     def __init__(
         self,
@@ -121,12 +125,14 @@ class OPEFOTrainer(GRPOTrainer):
         args: OPEFOConfig | GRPOConfig | None = None,
         *pargs,
         probe_dataset=None,
+        run_inputs=None,
         **kwargs,
     ):
         if args is None:  # the output_dir GRPOTrainer (TRL 1.16) defaults to, so that swapping the class moves nothing
             name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = OPEFOConfig(output_dir=f"{name.split('/')[-1]}-GRPO")
         args = with_opefo_settings(args)
+        self.run_inputs = run_inputs
         check_training_values(args)
         check_vllm_setup(args, model)
         check_dropout(args, model, kwargs.get("peft_config"))
@@ -205,7 +211,7 @@ class OPEFOTrainer(GRPOTrainer):
         """`Trainer.train`; `resume_from_checkpoint=True` resumes the last *whole* checkpoint of output_dir."""
         checkpoint = resume_checkpoint(resume_from_checkpoint, self.args.output_dir, self.args.method)
         if checkpoint is not None:
-            for change in check_resume_options(checkpoint, self.args):  # refuses what the checkpoint would override
+            for change in check_resume_options(checkpoint, self.args, self.run_inputs):  # refuses what differs
                 logger.warning(change)
             check_rollout_boundary(checkpoint, self.args)  # TRL's rollout buffer is not in the checkpoint
         self._resumed_checkpoint, self._policy_checked = checkpoint, False
@@ -214,7 +220,7 @@ class OPEFOTrainer(GRPOTrainer):
     def _save_checkpoint(self, model, trial):
         method_state = lambda: (self.args.method, self.token_method.state_dict())  # noqa: E731
         run_dir, wait = self._get_output_dir(trial=trial), self.accelerator.wait_for_everyone
-        with saving_checkpoint(run_dir, self.args, self.state, method_state, wait):
+        with saving_checkpoint(run_dir, self.args, self.state, method_state, wait, self.run_inputs):
             super()._save_checkpoint(model, trial)
 
     def _load_optimizer_and_scheduler(self, checkpoint):

@@ -1821,6 +1821,72 @@ def test_a_resume_with_options_the_checkpoint_would_override_is_refused_and_othe
     assert [m["step"] for m in _metrics(str(out)) if "reward" in m] == [1, 2]
 
 
+def test_a_resume_with_other_data_or_rewards_is_refused_and_a_checkpoint_that_records_none_says_so(
+    tiny_model_path, problems_file, tmp_path, reward_module, capsys, caplog, snapshot
+):
+    """I: a resume with another data file or reward function was neither compared nor mentioned (exit 0), although a
+    changed seed was refused. The data is known by its bytes: the same file moved elsewhere resumes."""
+    import hashlib
+
+    from opefo_trl.runs import RUN_OPTIONS_NAME, mark_checkpoint_complete
+
+    out = tmp_path / "out"
+    rewards = ["--reward_funcs", "math_accuracy_reward", "opefo_cli_test_rewards.digit_overlap_reward"]
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(out), save_steps=1), *rewards]
+    assert main(argv) == 0
+    checkpoint = out / "checkpoint-1"
+    data_hash = hashlib.sha256(Path(problems_file).read_bytes()).hexdigest()
+    recorded = json.loads((checkpoint / RUN_OPTIONS_NAME).read_text())
+    assert (recorded["training_data"], recorded["reward_funcs"], recorded["math_reward_mode"]) == (
+        f"problems.jsonl (sha256 {data_hash})",
+        ["math_accuracy_reward", "opefo_cli_test_rewards.digit_overlap_reward"],
+        "equivalent",
+    )
+    edited, moved = tmp_path / "edited" / "problems.jsonl", tmp_path / "moved" / "problems.jsonl"
+    for copy in (edited, moved):
+        copy.parent.mkdir()
+        shutil.copy(problems_file, copy)
+    edited.write_text(edited.read_text().replace('"What is 2 + 1?"', '"What is 2 + 2?"', 1))
+    edited_hash = hashlib.sha256(edited.read_bytes()).hexdigest()
+    resume = [*argv, "--max_steps", "2", "--resume_from_checkpoint", "true"]
+    capsys.readouterr()
+    before = snapshot(out)
+    for extra, refused in (
+        (
+            ["--dataset_files", str(edited)],
+            f"training_data problems.jsonl (sha256 {data_hash}) -> problems.jsonl (sha256 {edited_hash}): the steps "
+            "already trained learned from other data or rewards, which the resumed run would mix with these.",
+        ),
+        (
+            ["--reward_funcs", "math_accuracy_reward"],
+            "reward_funcs ['math_accuracy_reward', 'opefo_cli_test_rewards.digit_overlap_reward'] -> "
+            "['math_accuracy_reward']: the steps already trained learned from other data or rewards",
+        ),
+        (["--math_reward_mode", "strict"], "math_reward_mode equivalent -> strict: the steps already trained learned"),
+    ):  # fmt: skip
+        assert main([*resume, *extra]) == 2
+        err = _cli_error(capsys.readouterr().err)
+        assert err.startswith(f"opefo-train: error: Cannot resume {checkpoint} with other options than it was ")
+        assert refused in err and len(err.strip().splitlines()) == 1
+        assert snapshot(out) == before
+    assert main([*resume, "--dataset_files", str(moved)]) == 0  # the same bytes elsewhere: the same data
+
+    # A checkpoint of an earlier version records neither: it resumes, and says once that nothing was compared.
+    options = json.loads((checkpoint / RUN_OPTIONS_NAME).read_text())
+    for name in ("training_data", "reward_funcs", "math_reward_mode"):
+        del options[name]
+    (checkpoint / RUN_OPTIONS_NAME).write_text(json.dumps(options))
+    mark_checkpoint_complete(str(checkpoint))
+    resume_1 = [*argv, "--max_steps", "2", "--resume_from_checkpoint", str(checkpoint), "--dataset_files", str(edited)]
+    with caplog.at_level("WARNING"):
+        assert main(resume_1) == 0
+    said = (
+        f"Resuming {checkpoint}, which records no training_data, reward_funcs, math_reward_mode (saved by an earlier "
+        "version of opefo-trl): this run's data and reward functions are not compared with those it was trained on."
+    )
+    assert caplog.text.count(said) == 1
+
+
 COLUMN_REWARDS_MODULE = '''
 SEEN = []
 
