@@ -14,7 +14,8 @@ command line, is an error that names it and the closest options. Everything that
 weights is checked before they are loaded: the options (types of recipe values included), the model path, the data
 files and columns, the reward functions, the output_dir (see below), every file of the checkpoint to resume from,
 that every prompt plus `max_completion_length` fits the model's context, that the run trains at least one step, and
-that a resume has steps left and keeps the options its checkpoint would override (`opefo_trl.runs.options`). Such
+that a resume has steps left, keeps the options its checkpoint would override and the data and rewards it trained on
+(`opefo_trl.runs.options`), and starts at a rollout boundary (`opefo_trl.runs.check_rollout_boundary`). Such
 errors, weights holding NaN or inf (checked once loaded, before the first generation), a reward function that fails
 at its first call, and a checkpoint that cannot be written (a full disk) are printed as `opefo-train: error: ...`
 with exit status 2.

@@ -1542,7 +1542,7 @@ class _NoPolicy:
     def check(self):
         pass
 
-    def check_resume(self, steps):
+    def check_resume(self, steps, inputs=None):
         pass
 
 
