@@ -93,10 +93,8 @@ def file_sha256(path: Path, cache_dir: Path) -> str:
     for record in records:
         if {name: record.get(name) for name in key} == key:
             return record["sha256"]
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+        digest = hashlib.file_digest(f, "sha256")
     records = [r for r in records if r.get("path") != key["path"]] + [{**key, "sha256": digest.hexdigest()}]
     cache_dir.mkdir(parents=True, exist_ok=True)
     _write_atomically(record_path, json.dumps(records, indent=1))

@@ -101,13 +101,9 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-def file_sha256(path: str) -> str:
-    """The SHA-256 of a file's bytes, in hex (read in 1 MiB blocks)."""
-    digest = hashlib.sha256()
+def _sha256(path: str) -> str:
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def training_inputs(
@@ -128,7 +124,7 @@ def training_inputs(
     """
     files = list(data_files or ([dataset_name] if os.path.isfile(dataset_name) else []))
     if files:
-        data = ", ".join(f"{os.path.basename(path)} (sha256 {file_sha256(path)})" for path in files)
+        data = ", ".join(f"{os.path.basename(path)} (sha256 {_sha256(path)})" for path in files)
     else:
         data = f"{dataset_name} (config {dataset_config}, split {split})"
     inputs: dict[str, Any] = {"training_data": data, "reward_funcs": list(reward_funcs)}
