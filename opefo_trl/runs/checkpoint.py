@@ -168,8 +168,8 @@ def _file_problem(path: str, method_state_name: str, saved_size: int | None) -> 
                 content = json.load(f)
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
             return f"is not valid JSON ({err})"
-        if name == TRAINER_STATE_NAME and not (isinstance(content, dict) and "global_step" in content):
-            return "has no global_step"
+        if name == TRAINER_STATE_NAME:
+            return _trainer_state_problem(path, content)
         if name == method_state_name and not (isinstance(content, dict) and {"method", "state"} <= content.keys()):
             return "lacks the method or its state"
         return None
@@ -179,6 +179,20 @@ def _file_problem(path: str, method_state_name: str, saved_size: int | None) -> 
                 pass
         except zipfile.BadZipFile:
             return "is not a whole torch.save archive (cut short?)"
+    return None
+
+
+def _trainer_state_problem(path: str, content: Any) -> str | None:
+    """Why transformers cannot resume from this ``trainer_state.json`` (read as a resume reads it, with
+    ``TrainerState.load_from_json``), or None."""
+    from transformers import TrainerState
+
+    try:
+        TrainerState.load_from_json(path)
+    except TypeError as err:  # not a mapping, or a key this release's TrainerState does not take
+        return f"cannot be read by transformers' TrainerState.load_from_json ({err})"
+    if "global_step" not in content:  # TrainerState would take the step for 0, and train the run again from there
+        return "has no global_step"
     return None
 
 

@@ -11,8 +11,8 @@ The trainer holds only `__init__` and TRL's hooks; each hook hands over to a par
   (TRL's old-log-prob pass over a new rollout: a `token_weights.RolloutCapture`; the loss forward: a
   `token_weights.LossCall`);
 - around the optimizer step (callbacks): `audit.EntropyAudit`;
-- `create_optimizer`: `ParamEstimate.check_optimizer`; `train` (resume from the last *whole* checkpoint),
-  `_save_checkpoint` (whole or removed), `_load_optimizer_and_scheduler` (the method's state): `opefo_trl.runs`;
+- `create_optimizer`: `ParamEstimate.check_optimizer`; `train` (resume from the last *whole* checkpoint, with the
+  method's state) and `_save_checkpoint` (whole or removed): `opefo_trl.runs`;
   `_calculate_rewards`: `checks.RewardCheck`; `_get_train_sampler`: `sampler.EpochSeededSampler`.
 
 The parts are built, and given what they need of the trainer, by `parts.build_parts`; the trainer's own forwards go
@@ -208,12 +208,20 @@ class OPEFOTrainer(GRPOTrainer):
         return optimizer
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        """`Trainer.train`; `resume_from_checkpoint=True` resumes the last *whole* checkpoint of output_dir."""
+        """`Trainer.train`; `resume_from_checkpoint=True` resumes the last *whole* checkpoint of output_dir. A resume
+        also restores the token method's state (`opefo_method_state.json`, e.g. PAR's coefficient)."""
         checkpoint = resume_checkpoint(resume_from_checkpoint, self.args.output_dir, self.args.method)
         if checkpoint is not None:
             for change in check_resume_options(checkpoint, self.args, self.run_inputs):  # refuses what differs
                 logger.warning(change)
             check_rollout_boundary(checkpoint, self.args)  # TRL's rollout buffer is not in the checkpoint
+            # Loaded here, on every process, rather than through transformers' `ExportableState`: that restores only
+            # callbacks, only with `restore_callback_states_from_checkpoint=True`, and by rebuilding each callback
+            # from the JSON of its constructor arguments, whereas the method is no callback and its state must be
+            # restored on every resume (and its file checked, with the method's name, before the weights load).
+            state = load_method_state(checkpoint, self.args.method)
+            if state is not None:
+                self.token_method.load_state_dict(state)
         self._resumed_checkpoint, self._policy_checked = checkpoint, False
         return super().train(checkpoint, *args, **kwargs)
 
@@ -222,12 +230,6 @@ class OPEFOTrainer(GRPOTrainer):
         run_dir, wait = self._get_output_dir(trial=trial), self.accelerator.wait_for_everyone
         with saving_checkpoint(run_dir, self.args, self.state, method_state, wait, self.run_inputs):
             super()._save_checkpoint(model, trial)
-
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        super()._load_optimizer_and_scheduler(checkpoint)
-        state = None if checkpoint is None else load_method_state(checkpoint, self.args.method)
-        if state is not None:
-            self.token_method.load_state_dict(state)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         """TRL's reward computation with every reward function's output checked: an exception, a non-number or an

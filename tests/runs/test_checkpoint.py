@@ -76,6 +76,23 @@ def test_damage_that_keeps_the_size_is_found_by_reading_the_file(saved_run, name
         check_checkpoint(str(saved_run / "checkpoint-4"))
 
 
+@pytest.mark.parametrize(
+    "state, reason",
+    [
+        ({"global_step": 4, "trained_by": "a later release"}, "unexpected keyword argument 'trained_by'"),
+        ([4], "must be a mapping"),
+        ({"log_history": []}, "has no global_step"),
+    ],
+)
+def test_a_trainer_state_that_transformers_cannot_resume_from_is_refused(tmp_path, write_checkpoint, state, reason):
+    """Read as transformers' resume reads it (TrainerState.load_from_json), before any weights load."""
+    checkpoint = write_checkpoint(tmp_path / "run", 3)
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+    mark_checkpoint_complete(str(checkpoint))
+    with pytest.raises(CheckpointError, match=rf"trainer_state.json (cannot be read by .*{reason}|{reason})"):
+        check_checkpoint(str(checkpoint))
+
+
 def test_a_truncated_safetensors_file_is_found_without_a_marker(tmp_path, write_checkpoint):
     """safe_open checks that the data the header announces covers the file: no size record is needed."""
     checkpoint = write_checkpoint(tmp_path / "run", 3)

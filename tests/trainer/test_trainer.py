@@ -421,6 +421,11 @@ def test_par_coefficient_survives_resume_from_checkpoint(train, tiny_model_path,
     resumed.train(resume_from_checkpoint=checkpoint)
     step3 = [entry for entry in resumed.state.log_history if entry.get("step") == 3 and "par/coef" in entry]
     assert step3 and step3[0]["par/coef"] == pytest.approx(first.token_method.coef)
+    # `True`: the last checkpoint of output_dir, checkpoint-2 again, and its state with it.
+    latest = make_trainer(tiny_model_path, tiny_dataset, length_reward, more)
+    latest.train(resume_from_checkpoint=True)
+    step3 = [entry for entry in latest.state.log_history if entry.get("step") == 3 and "par/coef" in entry]
+    assert step3 and step3[0]["par/coef"] == pytest.approx(first.token_method.coef)
 
     other = make_config(tmp_path, method="grpo", save_strategy="steps", save_steps=2, max_steps=2)
     mismatched = make_trainer(tiny_model_path, tiny_dataset, length_reward, other)
