@@ -60,9 +60,9 @@ class RegimeWatch:
     LOW_PROB_WARN = 0.5
     #: Before its window is full, the guard judges the steps seen so far, from this many on: it warns when the one-sided
     #: 95% lower confidence bound of their mean (Student's t) exceeds the threshold. On SmolLM2-135M-Instruct a step
-    #: takes about a minute on a CPU and |lambda*| of the paper's estimate is 0.1-0.2 from the first step
-    #: (docs/algorithm.md, "On a real pretrained model"): waiting for a full window of 20 steps said nothing in a run
-    #: of fewer, and took 20 minutes otherwise.
+    #: takes minutes on a CPU and |lambda*| of the paper's estimate was 0.19-0.62 from the first step
+    #: (docs/algorithm.md, "On a real pretrained model"): a full window of 20 steps said nothing in a shorter run, and
+    #: nothing for the first 20 steps of a longer one.
     EARLY_STEPS = 3
     #: One-sided 95% quantiles of Student's t by degrees of freedom (n - 1 for n steps), for the early verdict.
     T95 = {
