@@ -3,6 +3,8 @@ warning, once each, when OPEFO runs far outside the regime the paper studied or 
 
 from __future__ import annotations
 
+import math
+import statistics
 import warnings
 from collections import deque
 from dataclasses import dataclass
@@ -30,7 +32,8 @@ class RegimeSettings:
     )
     opefo_lambda_warn: float = setting(
         0.1,
-        "Warn once when |lambda*| averaged over the last 20 optimizer steps exceeds this: the paper's lambda* is "
+        "Warn once when |lambda*| averaged over the last 20 optimizer steps exceeds this (before 20 steps: when "
+        "the steps so far show it, from the third on, at 95% confidence): the paper's lambda* is "
         "~1e-3, and a large one means the entropy flow is far from balanced, so OPEFO's reweighting is no longer a "
         "small correction.",
     )
@@ -55,6 +58,17 @@ class RegimeWatch:
     #: The regime guard warns once when negligible-probability tokens carry more than this share of the reweighted
     #: flow on average over its window.
     LOW_PROB_WARN = 0.5
+    #: Before its window is full, the guard judges the steps seen so far, from this many on: it warns when the one-sided
+    #: 95% lower confidence bound of their mean (Student's t) exceeds the threshold. On SmolLM2-135M-Instruct a step
+    #: takes minutes on a CPU and |lambda*| of the paper's estimate was 0.19-0.62 from the first step
+    #: (docs/algorithm.md, "On a real pretrained model"): a full window of 20 steps said nothing in a shorter run, and
+    #: nothing for the first 20 steps of a longer one.
+    EARLY_STEPS = 3
+    #: One-sided 95% quantiles of Student's t by degrees of freedom (n - 1 for n steps), for the early verdict.
+    T95 = {
+        2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812,
+        11: 1.796, 12: 1.782, 13: 1.771, 14: 1.761, 15: 1.753, 16: 1.746, 17: 1.740, 18: 1.734,
+    }  # fmt: skip
 
     def __init__(self, settings: Any, flow_estimate: str) -> None:
         self.settings, self.flow_estimate = settings, flow_estimate
@@ -128,6 +142,20 @@ class RegimeWatch:
             "opefo_balance='step'."
         )
 
+    def _verdict(self, values: deque[float], threshold: float) -> tuple[bool, str]:
+        """Whether the per-step ``values`` exceed ``threshold`` on average, and over which steps that was judged: over a
+        full window, their mean; before, from ``EARLY_STEPS`` steps on, the one-sided 95% lower confidence bound of the
+        mean of the steps so far, so that a few noisy steps do not warn but a run that is out of the regime from its
+        start is told so within its first steps."""
+        steps = len(values)
+        mean = sum(values) / max(steps, 1)
+        if steps == self.WINDOW:
+            return mean > threshold, f"over the last {steps} optimizer steps"
+        if steps < self.EARLY_STEPS:
+            return False, ""
+        bound = mean - self.T95[steps - 1] * statistics.stdev(values) / math.sqrt(steps)
+        return bound > threshold, f"over the first {steps} optimizer steps (one-sided 95% lower bound {bound:.3g})"
+
     def _watch(self, entropy: float) -> None:
         """Queue each of the guard's warnings once: |lambda*| large on average, the flow on negligible tokens, or
         entropy far above its start."""
@@ -135,20 +163,22 @@ class RegimeWatch:
             self._first_entropy = entropy
         window = len(self._recent_lambdas)
         mean = sum(self._recent_lambdas) / max(window, 1)
-        if "lambda" not in self._warned and window == self.WINDOW and mean > self.settings.opefo_lambda_warn:
+        large, steps = self._verdict(self._recent_lambdas, self.settings.opefo_lambda_warn)
+        if "lambda" not in self._warned and large:
             self._warned.add("lambda")
             self._pending_warnings.append(
-                f"{REGIME_GUARD}|lambda*| averaged over the last {self.WINDOW} optimizer steps is {mean:.3g} "
+                f"{REGIME_GUARD}|lambda*| averaged {steps} is {mean:.3g} "
                 f"(> opefo_lambda_warn={self.settings.opefo_lambda_warn:g}); in the OPEFO paper lambda* stays around "
                 f"2.5e-4..1.75e-3, while balancing these batches takes token weights of 1 +/- {mean:.2f}, which can "
                 f"fight the learning signal instead of gently correcting it. {self._advice()} docs/algorithm.md ('The "
                 "regime') explains when OPEFO applies."
             )
         low_prob = sum(self._recent_low_prob) / max(len(self._recent_low_prob), 1)
-        if "low_prob" not in self._warned and window == self.WINDOW and low_prob > self.LOW_PROB_WARN:
+        large, steps = self._verdict(self._recent_low_prob, self.LOW_PROB_WARN)
+        if "low_prob" not in self._warned and large:
             self._warned.add("low_prob")
             self._pending_warnings.append(
-                f"{REGIME_GUARD}over the last {self.WINDOW} optimizer steps, {low_prob:.0%} of the reweighted "
+                f"{REGIME_GUARD}{steps}, {low_prob:.0%} of the reweighted "
                 f"entropy flow was carried by tokens sampled with probability < opefo_low_prob="
                 f"{self.settings.opefo_low_prob:g} (opefo/low_prob_flow_share): the balance rests on tokens the policy "
                 "almost never samples, so the entropy it holds may sit on junk rather than on the task's choices. "
