@@ -15,7 +15,6 @@ Notebooks are stored with outputs cleared and a ``parameters`` cell reading ``OP
 Takes ~1 min on 2 CPU cores (most of it TRL imports and the two tiny training runs).
 """
 
-import json
 import math
 import os
 import sys
@@ -23,18 +22,12 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from jupyter_client.kernelspec import KernelSpecManager
-from jupyter_client.manager import KernelManager
-from nbclient import NotebookClient
+from notebook_runner import REPO_ROOT, execute_notebook, write_kernelspec
 
 pytestmark = pytest.mark.slow
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
-KERNEL_NAME = "opefo-trl-test"
-PROBE_MARKER = "OPEFO_NOTEBOOK_PROBE "
-CELL_TIMEOUT_S = 300
 
 # Per notebook: a Python expression evaluated in the kernel after the last cell (it must be JSON-serialisable).
 PROBES = {
@@ -71,44 +64,13 @@ PROBES = {
 @pytest.fixture(scope="module")
 def kernel_dir(tmp_path_factory):
     """A kernelspec for this interpreter, so the notebooks run in the same environment as the tests."""
-    root = tmp_path_factory.mktemp("kernels")
-    spec_dir = root / KERNEL_NAME
-    spec_dir.mkdir()
-    spec = {
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "opefo-trl tests",
-        "language": "python",
-    }
-    (spec_dir / "kernel.json").write_text(json.dumps(spec))
-    return root
+    return write_kernelspec(tmp_path_factory.mktemp("kernels"))
 
 
 def execute_smoke(path: Path, kernel_dir: Path, workdir: Path, monkeypatch) -> dict:
     """Run ``path`` in smoke mode in ``workdir``; return the probe's JSON (or {} when the notebook has no probe)."""
     monkeypatch.setenv("OPEFO_SMOKE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
-    # The kernel imports this checkout's opefo_trl even where the package is not installed.
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    nb = nbformat.read(path, as_version=4)
-    probe = PROBES.get(path.stem)
-    if probe is not None:
-        nb.cells.append(
-            nbformat.v4.new_code_cell(
-                f"import json as _json, os, sys\nprint({PROBE_MARKER!r} + _json.dumps({probe.strip()}))"
-            )
-        )
-    km = KernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(kernel_dir)]))
-    client = NotebookClient(
-        nb, km=km, timeout=CELL_TIMEOUT_S, allow_errors=False, resources={"metadata": {"path": str(workdir)}}
-    )
-    client.execute()  # raises CellExecutionError, with the failing cell and traceback, on any error
-    if probe is None:
-        return {}
-    for output in nb.cells[-1].outputs:
-        if output.get("output_type") == "stream" and PROBE_MARKER in output.get("text", ""):
-            return json.loads(output["text"].split(PROBE_MARKER, 1)[1])
-    raise AssertionError(f"The probe cell of {path.name} printed nothing: {nb.cells[-1].outputs}")
+    return execute_notebook(path, kernel_dir, workdir, monkeypatch, PROBES.get(path.stem))
 
 
 def logged(history: list[dict], key: str) -> list[float]:

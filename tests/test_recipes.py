@@ -207,7 +207,7 @@ def test_4b_recipes_differ_from_7b_only_in_model_keys(method):
 def test_readme_lists_every_recipe_and_launch_mode():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
-    for model, method in ALL_RECIPES:
+    for model, method in ALL_RECIPES + [(SMALL_MODEL, method) for method in SMALL_METHODS]:
         assert f"{model}/{method}.yaml" in readme
     for needle in (
         "vllm_mode: colocate",
@@ -308,3 +308,49 @@ def test_7b_recipe_trains_two_steps_on_cpu(method, tiny_model_path, problems_fil
     if method == "entropy_reg":
         assert steps[0]["entropy_coef"] == pytest.approx(written["entropy_coef"])
     assert os.path.isfile(os.path.join(out, "model.safetensors"))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The small-model recipes: SmolLM2-135M-Instruct on a CPU (tests/real_model/test_real_small_recipe.py trains one)
+# ----------------------------------------------------------------------------------------------------------------------
+
+SMALL_MODEL = "smollm2-135m-instruct"
+SMALL_METHODS = ["opefo", "grpo"]
+
+
+def test_every_recipe_folder_is_checked_here():
+    folders = {name for name in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, name))}
+    assert folders == {*MODELS, SMALL_MODEL, "accelerate"}
+    found = sorted(name for name in os.listdir(os.path.join(ROOT, SMALL_MODEL)) if name.endswith(".yaml"))
+    assert found == sorted(["base.yaml", *(f"{method}.yaml" for method in SMALL_METHODS)])
+
+
+@pytest.mark.parametrize("method", SMALL_METHODS)
+def test_small_model_recipe_is_its_base_plus_its_method_and_fits_a_cpu(method):
+    (base, shared), (path, own) = read_recipe_chain(recipe_path(SMALL_MODEL, method))
+    assert os.path.samefile(base, os.path.join(ROOT, SMALL_MODEL, "base.yaml"))
+    assert "method" in own and "method" not in shared and own["output_dir"] == f"runs/{SMALL_MODEL}/{method}"
+    assert not own.keys() & MODEL_KEYS - {"output_dir"}
+    script_args, args, model_args = parse_args(["--config", recipe_path(SMALL_MODEL, method)])
+    assert args.method == method and model_args.model_name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    # 8 prompts x 4 completions of <= 40 tokens per optimizer step, strictly on-policy, on one CPU process.
+    assert (args.num_generations, args.max_completion_length, args.temperature) == (4, 40, 0.7)
+    assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 8 * 4
+    assert args.steps_per_generation == args.gradient_accumulation_steps and args.num_iterations == 1
+    assert args.use_cpu and not args.use_vllm and not args.bf16 and args.learning_rate == pytest.approx(5e-6)
+    assert (script_args.dataset_name, script_args.math_reward_mode) == ("gsm8k", "strict")
+    # The data file is named relative to the repository root, where the recipe is run from.
+    (data,) = script_args.dataset_files
+    assert os.path.isfile(os.path.join(ROOT, "..", data))
+
+
+def test_small_model_word_problems_are_what_their_script_writes():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "make_word_problems", os.path.join(ROOT, SMALL_MODEL, "make_word_problems.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with open(os.path.join(ROOT, SMALL_MODEL, "word_problems.jsonl")) as f:
+        assert [json.loads(line) for line in f] == module.rows()
