@@ -1,10 +1,12 @@
 """Writes word_problems.jsonl beside this file: one-step arithmetic word problems in GSM8K's format
 (``question``; ``answer`` ending in ``#### N``), which `opefo-train --dataset_name gsm8k --dataset_files ...` reads.
 
-Deterministic (seed 0); run it again to get the same file: ``python recipes/smollm2-135m-instruct/make_word_problems.py``.
+Deterministic (seed 0); run it again to get the same file:
+``python recipes/smollm2-135m-instruct/make_word_problems.py``.
 Sums and differences of small numbers and products of small one-digit numbers: the sizes SmolLM2-135M-Instruct
-answers right now and then at temperature 0.7 under the recipe's `qwen_math_boxed` prompt, so that some groups of 4
-completions have a reward spread to learn from (with two-digit numbers every reward of 32 completions was 0).
+answers right now and then at temperature 0.7 (with two-digit numbers every reward of 32 completions was 0). Under
+the recipe's prompt and strict reward, every reward of the first 3 training steps measured here was still 0
+(recipes/README.md).
 """
 
 import json
