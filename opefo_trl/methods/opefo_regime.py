@@ -33,7 +33,7 @@ class RegimeSettings:
     opefo_lambda_warn: float = setting(
         0.1,
         "Warn once when |lambda*| averaged over the last 20 optimizer steps exceeds this (before 20 steps: when "
-        "the steps so far show it, from the third on, at 95% confidence): the paper's lambda* is "
+        "the steps so far show it, from the third on, at 95 percent confidence): the paper's lambda* is "
         "~1e-3, and a large one means the entropy flow is far from balanced, so OPEFO's reweighting is no longer a "
         "small correction.",
     )
