@@ -1,9 +1,9 @@
 """The run folder of ``opefo-train`` (:class:`RunFolder`, held while it trains): what the run owns, one run at a time,
 and an overwrite that cannot destroy what it does not own.
 
-- an OS lock (:class:`RunLock`: ``fcntl.flock`` on ``<output_dir>/.opefo_run.lock``) held for the run's lifetime, so a
-  second run into the folder is refused at once with the holder's pid and host. The kernel releases the lock of a
-  process that dies, so the lock file a killed run leaves blocks nobody;
+- an OS lock (:class:`RunLock`: ``filelock.FileLock`` on ``<output_dir>/.opefo_run.lock``) held for the run's
+  lifetime, so a second run into the folder is refused at once with the holder's pid and host. The kernel releases
+  the lock of a process that dies, so the lock file a killed run leaves blocks nobody;
 - a manifest (``opefo_run_manifest.json``) of the top-level entries the run writes, each recorded before it is
   written. :func:`run_files` is what it lists, and :func:`foreign_entries` what no run of ours wrote;
 - the overwrite: the earlier run's entries (those its manifest lists, and nothing else) are set aside in
@@ -25,6 +25,9 @@ import shutil
 import socket
 import time
 from collections.abc import Callable, Iterable
+from functools import partial
+
+from filelock import FileLock, Timeout
 
 from opefo_trl.runs.files import (
     CHECKPOINT_RE,
@@ -41,11 +44,6 @@ from opefo_trl.runs.files import (
     remove_entry,
     write_json_atomically,
 )
-
-try:
-    import fcntl
-except ImportError:  # Windows: no flock, so runs are not locked there
-    fcntl = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
 
@@ -117,9 +115,10 @@ def foreign_entries(output_dir: str) -> list[str]:
     return foreign
 
 
-def _read_holder(fd: int) -> dict | None:
+def _read_holder(path: str) -> dict | None:
     try:
-        holder = json.loads(os.pread(fd, 4096, 0) or b"null")
+        with open(path, "rb") as f:
+            holder = json.loads(f.read(4096) or b"null")
     except (OSError, ValueError):
         return None
     return holder if isinstance(holder, dict) else None
@@ -143,33 +142,46 @@ def busy_message(output_dir: str, holder: dict | None, mixes: str = RUN_MIXES) -
     )
 
 
+#: How long taking the lock is tried before a run is refused: a :func:`lock_holder` probe holds it for an instant, and
+#: a holder that is releasing it removes its file first (a contender then retries on the new file).
+LOCK_WAIT = 0.25
+
+
 def lock_holder(output_dir: str) -> dict | None:
     """Who holds the lock of ``output_dir`` (``{"pid", "host", "since"}``, ``{}`` if unreadable), None if nobody
-    does: a lock file left by a process that died holds no lock."""
+    does: a lock file left by a process that died holds no lock, and is removed (under the lock this probe takes)."""
     path = os.path.join(output_dir, LOCK_NAME)
-    if fcntl is None or not os.path.exists(path):
+    if not os.path.exists(path):
         return None
+    probe = FileLock(path, thread_local=False, on_acquired=partial(_remove_if_still_at, path))
     try:
-        fd = os.open(path, os.O_RDONLY)
+        probe.acquire(timeout=LOCK_WAIT)
+    except Timeout:
+        return _read_holder(path) or {}
+    probe.release()
+    return None
+
+
+def _remove_if_still_at(path: str, fd: int) -> None:
+    """Remove ``path`` if it is the file ``fd`` holds locked. filelock's contenders that opened it meanwhile find it
+    gone once they lock it, and retry on a new file (Windows' filelock removes it itself, on release)."""
+    if os.name == "nt":
+        return
+    try:
+        if os.path.samestat(os.stat(path), os.fstat(fd)):
+            os.remove(path)
     except FileNotFoundError:
-        return None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return _read_holder(fd) or {}
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
+        pass
 
 
 class RunLock:
-    """An exclusive ``fcntl.flock`` on ``<output_dir>/.opefo_run.lock``, from :meth:`acquire` to :meth:`release`
-    (or as a context manager). The lock file holds the holder's pid, host and start time for the message a second
-    run gets; it is removed on release.
+    """``filelock.FileLock`` on ``<output_dir>/.opefo_run.lock`` (an OS lock, ``flock`` on Unix), from
+    :meth:`acquire` to :meth:`release` (or as a context manager): one holder at a time, in any process or this one.
+    The kernel releases the lock of a process that dies, so the lock file a killed run leaves blocks nobody.
 
-    ``mixes`` says, in the message a second writer gets, what two writers would mix (opefo-eval's sample stores are
+    The lock file holds the holder's pid, host and start time, written through filelock's descriptor once the lock is
+    held, for the message a second run gets; it is removed on release (while still locked: filelock's contenders
+    retry on a new file). ``mixes`` says, in that message, what two writers would mix (opefo-eval's sample stores are
     locked too).
 
     Example:
@@ -181,59 +193,48 @@ class RunLock:
         self.output_dir = output_dir
         self.mixes = mixes
         self.path = os.path.join(output_dir, LOCK_NAME)
-        self._fd: int | None = None
+        self._lock = FileLock(self.path, thread_local=False, on_acquired=self._record_holder)
+        self._locked_fd: int | None = None  # filelock's descriptor, lent to `on_acquired`, while the lock is held
+        self._record_error: OSError | None = None
 
-    def acquire(self, attempts: int = 5) -> RunLock:
-        """Take the lock now, or raise :class:`RunFolderBusy` (after ``attempts`` tries 50 ms apart, so that a
-        :func:`lock_holder` probe does not refuse a run)."""
-        if fcntl is None:
+    def acquire(self, wait: float = LOCK_WAIT) -> RunLock:
+        """Take the lock, trying for ``wait`` seconds, or raise :class:`RunFolderBusy` naming its holder."""
+        if self._lock.is_locked:
             return self
-        holder = None
-        for _ in range(attempts):
-            fd = self._open()
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = _read_holder(fd)
-                os.close(fd)
-                time.sleep(0.05)
-                continue
-            try:  # its last holder may have removed the file between our open and our lock: then lock the new one
-                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
-            except FileNotFoundError:
-                same = False
-            if not same:
-                os.close(fd)
-                continue
-            mine = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-            self._fd = fd
-            try:
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, json.dumps(mine).encode(), 0)
-            except OSError:  # a full disk: no lock file is left behind
-                self.release()
-                raise
-            return self
-        raise RunFolderBusy(busy_message(self.output_dir, holder, self.mixes))
-
-    def _open(self) -> int:
+        self._record_error = None
         try:
             os.makedirs(self.output_dir, exist_ok=True)
-            return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            self._lock.acquire(timeout=wait)
+        except Timeout:
+            raise RunFolderBusy(busy_message(self.output_dir, _read_holder(self.path), self.mixes)) from None
         except OSError as err:
+            if err is self._record_error:  # a full disk: raised as it is, and no lock file is left behind
+                raise
             raise RunFolderError(
                 f"Cannot write into output_dir {self.output_dir!r} ({err}); give a folder this user can write to."
             ) from None
+        return self
+
+    def _record_holder(self, fd: int) -> None:
+        """filelock's ``on_acquired``: the holder record, written into the locked file."""
+        mine = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        try:
+            os.ftruncate(fd, 0)
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.write(fd, json.dumps(mine).encode())
+        except OSError as err:  # filelock then releases the lock; the file goes first, while it is still held
+            self._record_error = err
+            _remove_if_still_at(self.path, fd)
+            raise
+        self._locked_fd = fd
 
     def release(self) -> None:
-        if self._fd is None:
+        if not self._lock.is_locked:
             return
-        try:
-            os.remove(self.path)  # still locked: a process that opened it meanwhile sees it is gone and retries
-        except FileNotFoundError:
-            pass
-        os.close(self._fd)  # releases the lock
-        self._fd = None
+        if self._locked_fd is not None:
+            _remove_if_still_at(self.path, self._locked_fd)
+            self._locked_fd = None
+        self._lock.release()
 
     def __enter__(self) -> RunLock:
         return self.acquire()

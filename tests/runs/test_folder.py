@@ -89,6 +89,7 @@ def test_a_second_process_is_refused_at_once_and_a_killed_holder_blocks_nobody(t
     holder.wait()
     assert (folder / LOCK_NAME).exists()  # the lock file is left behind, its lock released by the kernel
     assert lock_holder(str(folder)) is None
+    assert not (folder / LOCK_NAME).exists()  # found free by that probe, and removed
     with RunLock(str(folder)) as lock:
         assert json.loads((folder / LOCK_NAME).read_text())["pid"] == os.getpid()
         with pytest.raises(RunFolderBusy, match=f"pid {os.getpid()}"):  # one holder, even within a process
