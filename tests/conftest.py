@@ -378,3 +378,16 @@ def flat_recipe_text(path) -> str:
     from opefo_trl.cli.recipe_files import load_recipe
 
     return yaml.safe_dump(load_recipe(path), sort_keys=False, default_flow_style=None, width=1000)
+
+
+def load_benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` as a module (the benchmarks are scripts, not a package)."""
+    import importlib.util
+    import sys
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

@@ -1,24 +1,11 @@
 """benchmarks/real_flow.py: the figures of one rollout from its per-token statistics, against a full softmax (no model:
 the real-model run itself is the tier's, `python benchmarks/real_flow.py`)."""
 
-import importlib.util
-import os
-import sys
-
 import pytest
 import torch
+from conftest import load_benchmark
 
-
-def _load(name):
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-real_flow = _load("real_flow")
+real_flow = load_benchmark("real_flow")
 
 
 def micro_batch(seed, rows=4, length=6, vocab=50):

@@ -1,25 +1,14 @@
 """benchmarks/step_balance.py runs end to end and reports what the real AdamW step did (a reduced run)."""
 
-import importlib.util
 import json
-import os
-import sys
 
 import pytest
+from conftest import load_benchmark
 
 pytestmark = [pytest.mark.slow, pytest.mark.numerics]
 
 
-def _load(name):
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-step_balance = _load("step_balance")
+step_balance = load_benchmark("step_balance")
 
 
 def test_the_step_balance_benchmark_reports_the_real_steps(tmp_path, capsys):

@@ -17,11 +17,11 @@ def write(path, text):
 
 def test_a_recipe_replaces_its_bases_keys_and_bases_chain(tmp_path):
     write(
-        tmp_path / "shared" / "root.yaml",
+        tmp_path / "bases" / "root.yaml",
         "learning_rate: 1.0e-6\nnum_generations: 8\nseed: 1\nenv: {A: root, B: root}\n",
     )
-    write(tmp_path / "shared" / "mid.yaml", "base: root.yaml\nnum_generations: 4\nenv: {B: mid}\n")
-    recipe = write(tmp_path / "run" / "leaf.yaml", "base: ../shared/mid.yaml\nseed: 3\nmethod: grpo\n")
+    write(tmp_path / "bases" / "mid.yaml", "base: root.yaml\nnum_generations: 4\nenv: {B: mid}\n")
+    recipe = write(tmp_path / "run" / "leaf.yaml", "base: ../bases/mid.yaml\nseed: 3\nmethod: grpo\n")
     assert load_recipe(recipe) == {
         "learning_rate": 1e-6,
         "num_generations": 4,
