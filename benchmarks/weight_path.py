@@ -12,9 +12,9 @@ belong to no file and are not). Two configurations:
 - ``param``: the same with ``entropy_flow_estimate="param"`` and ``opefo_balance="step"``.
 
 Reported per configuration: ``modules``, every package module a call entered; ``weight_path``, the same without the
-calls made under the reward computation (``OPEFOTrainer._calculate_rewards``: TRL's reward functions and their check,
-upstream of the advantages, the same for every method), the audit's bookkeeping (``EntropyAudit.keep_batch``) and
-the one-time check of the loaded weights (``check_finite_policy``);
+calls made under the reward computation (TRL's ``_calculate_rewards``: the reward functions and their check, upstream
+of the advantages, the same for every method, and the check's start and verdict), the audit's bookkeeping
+(``EntropyAudit.keep_batch``) and the one-time check of the loaded weights (``check_finite_policy``);
 ``entries``, the calls into each module from another file; ``maths_callbacks``, calls from ``opefo_trl/maths/`` into
 another package folder (caller -> callee: count).
 
@@ -35,7 +35,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 #: Calls whose whole subtree is off the weight's path (file inside the package, function name).
 OFF_PATH = {
-    ("trainer/trainer.py", "_calculate_rewards"),
+    ("trl", "_calculate_rewards"),  # TRL's: the reward functions, checked (``checks.RewardCheck``)
+    ("trainer/checks.py", "start"),  # the reward check's, per rollout
+    ("trainer/trainer.py", "_raise_if_a_reward_failed"),
     ("trainer/audit.py", "keep_batch"),
     ("trainer/checks.py", "check_finite_policy"),  # once, before the first generation
     ("trainer/parts.py", "core_model"),  # names the model for that check's message
@@ -113,10 +115,10 @@ def trace(configuration: str) -> dict:
                     state["off_path"].pop()
                 state["done"] = (here, function) == ("trainer/trainer.py", "_compute_loss")
                 return
+            if (here or ("trl" if "/trl/" in frame.f_code.co_filename else None), function) in OFF_PATH:
+                state["off_path"].append(frame)
             if here is None:
                 return
-            if (here, function) in OFF_PATH:
-                state["off_path"].append(frame)
             modules[here] += 1
             if not state["off_path"]:
                 on_path.add(here)

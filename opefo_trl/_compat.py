@@ -41,7 +41,6 @@ TRL_HOOKS: dict[str, tuple[str, ...]] = {
     "create_optimizer": (),
     "train": ("resume_from_checkpoint",),
     "_save_checkpoint": ("model", "trial"),
-    "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
     "_get_train_sampler": ("dataset",),
     "_get_output_dir": ("trial",),
     "_tokenize_prompts": ("prompts",),

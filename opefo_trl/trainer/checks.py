@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import numbers
 import traceback
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from trl.trainer.utils import is_async_callable
@@ -501,14 +501,15 @@ def _where(err: BaseException) -> str:
 
 
 class RewardCheck:
-    """Checks the reward functions of each reward computation: wrap them once, then for every computation
+    """Checks the reward functions of each reward computation: :meth:`wrap` them once, then for every computation
     :meth:`start` it, compute, and :meth:`raise_if_failed`.
 
     A failing function is replaced by zeros for the rest of the computation, so that every process reaches the
-    gather of the rewards; the first failure is kept and raised afterwards.
+    gather of the rewards; the first failure is kept and raised afterwards. A checked function keeps the user's
+    function's name and holds it as ``__wrapped__``.
 
     Example:
-        >>> check = RewardCheck(num_completions=2)
+        >>> check = RewardCheck()
         >>> [wrapped] = check.wrap([lambda completions, **kwargs: ["1", "0"]], ["string_reward"])
         >>> wrapped(completions=["a", "b"])
         [0.0, 0.0]
@@ -518,24 +519,14 @@ class RewardCheck:
         opefo_trl.trainer.checks.RewardFunctionError: Reward function 'string_reward' returned '1' (a str) ...
     """
 
-    def __init__(self, num_completions: int = 0):
-        self.num_completions = num_completions
+    def __init__(self) -> None:
         self.error: RewardFunctionError | None = None
 
-    @contextmanager
-    def checking(self, trainer: Any, num_completions: int) -> Iterator[None]:
-        """One reward computation of a `GRPOTrainer` over ``num_completions`` completions, its reward functions
-        checked: TRL's ``_calculate_rewards`` calls ``trainer.reward_funcs``, which hold the checked functions for the
-        computation only (the trainer's attribute stays the user's functions)."""
-        self.num_completions, self.error = num_completions, None
-        funcs = trainer.reward_funcs
-        trainer.reward_funcs = self.wrap(funcs, trainer.reward_func_names, is_async=is_async_callable)
-        try:
-            yield
-        finally:
-            trainer.reward_funcs = funcs
+    def start(self) -> None:
+        """A new reward computation: every function is called again."""
+        self.error = None
 
-    def _result(self, name: str, rewards: Any, raised: BaseException | None) -> Any:
+    def _result(self, name: str, rewards: Any, raised: BaseException | None, num_completions: int) -> Any:
         """The rewards if they are fine; else zeros, keeping the first failure."""
         failure: RewardFunctionError | None
         if raised is not None:
@@ -546,48 +537,51 @@ class RewardCheck:
             failure.__cause__ = raised
         else:
             listed = rewards if isinstance(rewards, Sequence) else _as_list(rewards)  # a generator is read once
-            problem = reward_problem(name, rewards if listed is None else listed, self.num_completions)
+            problem = reward_problem(name, rewards if listed is None else listed, num_completions)
             rewards = listed
             failure = None if problem is None else RewardFunctionError(problem)
         if failure is None:
             return rewards
         self.error = self.error or failure
-        return [0.0] * self.num_completions
+        return [0.0] * num_completions
 
     def wrap_one(self, func: Callable, name: str, is_async: bool) -> Callable:
-        """``func`` checked; after a failure, no further reward function of this computation is called."""
+        """``func`` checked; after a failure, no further reward function of this computation is called. TRL calls
+        every function with ``completions=``, one per completion."""
         if is_async:
 
+            @functools.wraps(func)
             async def checked_async(*args, **kwargs):
+                num_completions = len(kwargs["completions"])
                 if self.error is not None:
-                    return [0.0] * self.num_completions
+                    return [0.0] * num_completions
                 try:
                     rewards = await func(*args, **own_copy(kwargs))
                 except (Exception, SystemExit) as err:  # user code: reported with where it was raised
-                    return self._result(name, None, err)
-                return self._result(name, rewards, None)
+                    return self._result(name, None, err, num_completions)
+                return self._result(name, rewards, None, num_completions)
 
             return checked_async
 
+        @functools.wraps(func)
         def checked(*args, **kwargs):
+            num_completions = len(kwargs["completions"])
             if self.error is not None:
-                return [0.0] * self.num_completions
+                return [0.0] * num_completions
             try:
                 rewards = func(*args, **own_copy(kwargs))
             except (Exception, SystemExit) as err:  # user code, sys.exit() included: named, not a bare exit
-                return self._result(name, None, err)
-            return self._result(name, rewards, None)
+                return self._result(name, None, err, num_completions)
+            return self._result(name, rewards, None, num_completions)
 
         return checked
 
-    def wrap(
-        self, funcs: Sequence[Callable], names: Sequence[str], is_async: Callable[[Any], bool] = is_async_callable
-    ):
+    def wrap(self, funcs: Sequence[Any], names: Sequence[str]) -> list:
         """The functions, each checked; reward models (`torch.nn.Module`) are returned as they are."""
         import torch
 
         return [
-            func if isinstance(func, torch.nn.Module) else self.wrap_one(func, name, is_async(func))
+            func if isinstance(func, torch.nn.Module) else self.wrap_one(func, name, is_async_callable(func))
             for func, name in zip(funcs, names, strict=True)
         ]
 

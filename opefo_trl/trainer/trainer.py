@@ -12,8 +12,8 @@ The trainer holds only `__init__` and TRL's hooks; each hook hands over to a par
   `token_weights.LossCall`);
 - around the optimizer step (callbacks): `audit.EntropyAudit`;
 - `create_optimizer`: `ParamEstimate.check_optimizer`; `train` (resume from the last *whole* checkpoint, with the
-  method's state) and `_save_checkpoint` (whole or removed): `opefo_trl.runs`;
-  `_calculate_rewards`: `checks.RewardCheck`; `_get_train_sampler`: `sampler.EpochSeededSampler`.
+  method's state) and `_save_checkpoint` (whole or removed): `opefo_trl.runs`; the reward functions (`reward_funcs`,
+  checked from the end of `__init__`): `checks.RewardCheck`; `_get_train_sampler`: `sampler.EpochSeededSampler`.
 
 The parts are built, and given what they need of the trainer, by `parts.build_parts`; the trainer's own forwards go
 through `scoring.Scorer`; the policy's precision set-up is `model_setup`. The TRL code
@@ -148,6 +148,9 @@ class OPEFOTrainer(GRPOTrainer):
         self.access, self.scorer, self.loss_mirror = parts.access, parts.scorer, parts.loss_mirror
         self.audit, self.param_estimate, self.rollout = parts.audit, parts.param_estimate, parts.rollout
         self.micro_batches, self.reward_check = parts.micro_batches, parts.reward_check
+        # TRL's reward computation calls `self.reward_funcs` (the environment's reward included): checked functions
+        # from here on, under the names TRL gave them.
+        self.reward_funcs = self.reward_check.wrap(self.reward_funcs, self.reward_func_names)
         self.add_callback(self.audit)
 
     # TRL's hooks ----------------------------------------------------------------------------------------------------
@@ -160,15 +163,25 @@ class OPEFOTrainer(GRPOTrainer):
                 model, where, self._resumed_checkpoint is not None, self.access.reduce_sum, self.accelerator.device
             )
             self._policy_checked = True
+        self.reward_check.start()
         if not self.model.training or self.rollout is None:
-            return super()._generate_and_score_completions(inputs)
+            output = super()._generate_and_score_completions(inputs)
+            self._raise_if_a_reward_failed()
+            return output
         self._scoring_observer = capture = self.rollout.capture(self.ref_model)
         try:
             with self.rollout.recording(self.access.core_model):
                 output = super()._generate_and_score_completions(inputs)
         finally:
             self._scoring_observer = None
+        self._raise_if_a_reward_failed()
         return self.rollout.generated(output, capture)
+
+    def _raise_if_a_reward_failed(self) -> None:
+        """A reward function's failure (an exception, a non-number, an infinite reward), raised naming the function
+        on every process, before anything trains on the rollout (the failed function's rewards were zeros)."""
+        failed = torch.tensor(float(self.reward_check.error is not None), device=self.accelerator.device)
+        self.reward_check.raise_if_failed(int(self.access.reduce_sum(failed)))
 
     def _prepare_inputs(self, generation_batch):
         inputs = super()._prepare_inputs(generation_batch)
@@ -230,15 +243,6 @@ class OPEFOTrainer(GRPOTrainer):
         run_dir, wait = self._get_output_dir(trial=trial), self.accelerator.wait_for_everyone
         with saving_checkpoint(run_dir, self.args, self.state, method_state, wait, self.run_inputs):
             super()._save_checkpoint(model, trial)
-
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        """TRL's reward computation with every reward function's output checked: an exception, a non-number or an
-        infinite reward is raised naming the function, on every process."""
-        with self.reward_check.checking(self, num_completions=len(prompts)):
-            rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        failed = torch.tensor(float(self.reward_check.error is not None), device=rewards.device)
-        self.reward_check.raise_if_failed(int(self.access.reduce_sum(failed)))
-        return rewards
 
     def _get_train_sampler(self, dataset=None):
         """TRL's sampler, drawing each epoch's order from the seed and the epoch, so a resumed run draws what an

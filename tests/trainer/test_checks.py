@@ -91,7 +91,7 @@ def test_good_reward_outputs_pass():
     for rewards in ([1, 0.5, None], (True, False, None), np.array([0.0, 1.0, 2.0]), torch.tensor([1.0, 0, 2])):
         assert reward_problem("r", rewards, 3) is None
     assert reward_problem("r", [np.float32(1), np.int64(0), torch.tensor(0.5)], 3) is None
-    check = RewardCheck(num_completions=3)
+    check = RewardCheck()
     (generator_reward,) = check.wrap([lambda completions, **kwargs: (1.0 for _ in completions)], ["generator"])
     assert generator_reward(completions="abc") == [1.0, 1.0, 1.0] and check.error is None  # read once, passed on
 
@@ -102,7 +102,7 @@ def test_a_dict_or_nan_from_a_checked_function_is_reported_as_it_was_returned():
         ({"accuracy": 1.0, "format": 0.0}, "returned {'accuracy': 1.0, 'format': 0.0} (a dict); it must return a list"),
         (np.array([1.0, np.nan]), "returned nan for 1 of 2 completions (first: completion 1)"),
     ):
-        check = RewardCheck(num_completions=2)
+        check = RewardCheck()
         (wrapped,) = check.wrap([lambda completions, returned=returned, **kwargs: returned], ["scores"])
         assert wrapped(completions=["x", "y"]) == [0.0, 0.0]
         with pytest.raises(RewardFunctionError, match=re.escape(f"Reward function 'scores' {message}")):
@@ -119,7 +119,7 @@ def test_a_failing_function_is_named_and_later_ones_are_not_called():
         calls.append(1)
         return [1.0] * len(completions)
 
-    check = RewardCheck(num_completions=2)
+    check = RewardCheck()
     first, second = check.wrap([raises, later], ["raises", "later"])
     assert first(completions=["x", "y"]) == [0.0, 0.0] and second(completions=["x", "y"]) == [0.0, 0.0]
     assert calls == []
@@ -134,13 +134,13 @@ def test_async_functions_and_reward_models_and_other_processes():
         return ["1"] * len(completions)
 
     model = torch.nn.Linear(1, 1)
-    check = RewardCheck(num_completions=2)
+    check = RewardCheck()
     wrapped, kept = check.wrap([async_strings, model], ["async_strings", "model"])
     assert kept is model and asyncio.iscoroutinefunction(wrapped)
     assert asyncio.run(wrapped(completions=["a", "b"])) == [0.0, 0.0]
     with pytest.raises(RewardFunctionError, match="'async_strings' returned '1' \\(a str\\)"):
         check.raise_if_failed()
-    fine = RewardCheck(num_completions=2)
+    fine = RewardCheck()
     fine.raise_if_failed(0)
     with pytest.raises(RewardFunctionError, match="failed on 1 other process"):
         fine.raise_if_failed(1)
@@ -205,7 +205,26 @@ def test_the_python_api_refuses_a_bad_reward_at_its_first_call(
         trainer.train()
     assert message in str(error.value)
     assert trainer.state.global_step == 0 and snapshot(tmp_path) == before  # no step, no checkpoint, no file
-    assert trainer.reward_funcs[1] is reward  # the user's function, not the checking wrapper
+    assert trainer.reward_funcs[1].__wrapped__ is reward and trainer.reward_funcs[1].__name__ == reward.__name__
+
+
+def test_a_checked_async_reward_function_is_still_run_by_trl_as_async(tiny_model_path, tiny_dataset, tmp_path):
+    """TRL runs async reward functions concurrently (`is_async_callable`); the checked one must stay async."""
+    calls = []
+
+    async def async_reward(completions, **kwargs):
+        calls.append(len(completions))
+        return [1.0] * len(completions)
+
+    trainer = OPEFOTrainer(
+        tiny_model_path,
+        async_reward,
+        args=_config(tmp_path, max_steps=1, save_strategy="no"),
+        train_dataset=tiny_dataset,
+    )
+    trainer.train()
+    assert calls == [4] and trainer.reward_func_names == ["async_reward"]
+    assert trainer.state.log_history[0]["rewards/async_reward/mean"] == 1.0
 
 
 def test_the_python_api_refuses_settings_that_fail_at_the_first_step(tiny_model_path, length_reward, tmp_path):
