@@ -23,7 +23,7 @@ TRL_MAX_EXCLUSIVE = "1.17.0"
 TRL_TESTED = f">={TRL_MIN},<{TRL_MAX_EXCLUSIVE}"
 _INSTALL_TESTED = f"`pip install 'trl{TRL_TESTED}'`"
 
-#: The GRPOTrainer methods OPEFOTrainer overrides (``__init__`` to ``_get_train_sampler``) or calls (the rest), with
+#: The GRPOTrainer methods OPEFOTrainer overrides (``__init__`` to ``_save_checkpoint``) or calls (the rest), with
 #: the parameters after ``self`` it relies on, in order. A later parameter is fine if it has a default.
 TRL_HOOKS: dict[str, tuple[str, ...]] = {
     "__init__": ("model", "reward_funcs", "args"),
@@ -41,7 +41,6 @@ TRL_HOOKS: dict[str, tuple[str, ...]] = {
     "create_optimizer": (),
     "train": ("resume_from_checkpoint",),
     "_save_checkpoint": ("model", "trial"),
-    "_get_train_sampler": ("dataset",),
     "_get_output_dir": ("trial",),
     "_tokenize_prompts": ("prompts",),
     "_generate_single_turn": ("prompt_ids", "images", "multimodal_fields", "num_generations"),

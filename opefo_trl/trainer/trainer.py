@@ -13,7 +13,8 @@ The trainer holds only `__init__` and TRL's hooks; each hook hands over to a par
 - around the optimizer step (callbacks): `audit.EntropyAudit`;
 - `create_optimizer`: `ParamEstimate.check_optimizer`; `train` (resume from the last *whole* checkpoint, with the
   method's state) and `_save_checkpoint` (whole or removed): `opefo_trl.runs`; the reward functions (`reward_funcs`,
-  checked from the end of `__init__`): `checks.RewardCheck`; `_get_train_sampler`: `sampler.EpochSeededSampler`.
+  checked from the end of `__init__`): `checks.RewardCheck`; each epoch's data order (a callback):
+  `sampler.EpochSeededOrder`.
 
 The parts are built, and given what they need of the trainer, by `parts.build_parts`; the trainer's own forwards go
 through `scoring.Scorer`; the policy's precision set-up is `model_setup`. The TRL code
@@ -63,7 +64,7 @@ from opefo_trl.trainer.checks import (  # noqa: E402
 from opefo_trl.trainer.config import OPEFOConfig, with_opefo_settings  # noqa: E402
 from opefo_trl.trainer.parts import TrainerAccess, build_parts  # noqa: E402
 from opefo_trl.trainer.probe import check_probe_dataset  # noqa: E402
-from opefo_trl.trainer.sampler import EpochSeededSampler  # noqa: E402
+from opefo_trl.trainer.sampler import EpochSeededOrder  # noqa: E402
 from opefo_trl.trainer.token_weights import ScoringObserver  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -152,6 +153,7 @@ class OPEFOTrainer(GRPOTrainer):
         # from here on, under the names TRL gave them.
         self.reward_funcs = self.reward_check.wrap(self.reward_funcs, self.reward_func_names)
         self.add_callback(self.audit)
+        self.add_callback(EpochSeededOrder())
 
     # TRL's hooks ----------------------------------------------------------------------------------------------------
 
@@ -243,8 +245,3 @@ class OPEFOTrainer(GRPOTrainer):
         run_dir, wait = self._get_output_dir(trial=trial), self.accelerator.wait_for_everyone
         with saving_checkpoint(run_dir, self.args, self.state, method_state, wait, self.run_inputs):
             super()._save_checkpoint(model, trial)
-
-    def _get_train_sampler(self, dataset=None):
-        """TRL's sampler, drawing each epoch's order from the seed and the epoch, so a resumed run draws what an
-        uninterrupted one does."""
-        return EpochSeededSampler(super()._get_train_sampler(dataset))
