@@ -1,10 +1,10 @@
 """Which package modules one rollout's token weights pass through, from TRL's `_prepare_inputs` to the loss.
 
 One optimizer step of `OPEFOTrainer` on a tiny local model (2 micro-batches of 4 completions), traced with
-``sys.setprofile`` from the call of ``OPEFOTrainer._prepare_inputs`` to the return of the first ``_compute_loss``: TRL
-generates the rollout inside that call, the rollout pass weighs it, and the first micro-batch's loss reads the
-weights. Every call into a file of ``opefo_trl`` is counted (dataclass methods Python generates, such as ``__init__``,
-belong to no file and are not). Two configurations:
+``sys.setprofile`` from the call of TRL's ``GRPOTrainer._prepare_inputs`` to the return of the first
+``OPEFOTrainer._compute_loss``: TRL generates the rollout inside that call and splits it, and the first micro-batch's
+loss weighs it (the rollout pass) and reads the weights. Every call into a file of ``opefo_trl`` is counted
+(dataclass methods Python generates, such as ``__init__``, belong to no file and are not). Two configurations:
 
 - ``recipes``: the recipes' objective (``method="opefo"``, ``entropy_flow_estimate="opefo"``, ``loss_type="dapo"``,
   diagnostics and the audit on) with TRL's vLLM importance-sampling correction, vLLM emulated
@@ -107,7 +107,8 @@ def trace(configuration: str) -> dict:
             here = name(frame.f_code.co_filename)
             function = frame.f_code.co_name
             if not state["on"]:
-                state["on"] = event == "call" and (here, function) == ("trainer/trainer.py", "_prepare_inputs")
+                trl_file = frame.f_code.co_filename.endswith(os.path.join("trl", "trainer", "grpo_trainer.py"))
+                state["on"] = event == "call" and trl_file and function == "_prepare_inputs"
                 if not state["on"]:
                     return
             if event == "return":

@@ -28,7 +28,6 @@ _INSTALL_TESTED = f"`pip install 'trl{TRL_TESTED}'`"
 TRL_HOOKS: dict[str, tuple[str, ...]] = {
     "__init__": ("model", "reward_funcs", "args"),
     "_generate_and_score_completions": ("inputs",),
-    "_prepare_inputs": ("generation_batch",),
     "_get_per_token_logps_and_entropies": (
         "model",
         "input_ids",

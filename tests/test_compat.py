@@ -37,7 +37,7 @@ class _ParameterInserted(GRPOTrainer):
 
 
 class _RequiredParameterAppended(GRPOTrainer):
-    def _prepare_inputs(self, generation_batch, step):  # OPEFO's call would no longer bind
+    def _save_checkpoint(self, model, trial, step):  # OPEFO's call would no longer bind
         raise NotImplementedError
 
 
@@ -57,7 +57,7 @@ def test_a_newer_trl_whose_hook_changed_is_refused_naming_the_hook():
     assert "tested with TRL >=1.16.0,<1.17.0, and in the installed TRL 1.17.0" in message
     assert "`_compute_loss` takes (model, loss_scale, inputs) where OPEFOTrainer expects (model, inputs" in message
     assert message.endswith("Install a tested TRL: `pip install 'trl>=1.16.0,<1.17.0'`.")
-    with pytest.raises(ImportError, match=r"`_prepare_inputs` takes \(generation_batch, step\) where"):
+    with pytest.raises(ImportError, match=r"`_save_checkpoint` takes \(model, trial, step\) where"):
         check_trl_version("1.17.0", _RequiredParameterAppended)
     with pytest.raises(ImportError, match="`_tokenize_prompts` no longer exists"):
         check_trl_version("1.17.0", _HookRemoved)
@@ -70,6 +70,13 @@ def test_every_grpo_trainer_method_opefo_trainer_overrides_is_checked():
 
     overridden = {name for name, value in vars(OPEFOTrainer).items() if callable(value) and hasattr(GRPOTrainer, name)}
     assert overridden <= set(TRL_HOOKS), f"add {sorted(overridden - set(TRL_HOOKS))} to opefo_trl._compat.TRL_HOOKS"
+    # The private ones, each listed with what it relies on in CONTRIBUTING.md ("Support a new TRL version").
+    assert {name for name in overridden if name.startswith("_") and not name.startswith("__")} == {
+        "_generate_and_score_completions",
+        "_get_per_token_logps_and_entropies",
+        "_compute_loss",
+        "_save_checkpoint",
+    }
 
 
 def test_the_installed_trl_has_every_hook_as_expected():

@@ -72,6 +72,9 @@ class Parts:
     rollout: RolloutWeigher | None
     micro_batches: MicroBatchWeigher
     reward_check: RewardCheck
+    #: Where the rollout's log pi_t and H_t (lambda*'s inputs) come from (:func:`scores_source`), None without a
+    #: rollout pass.
+    scores_source: str | None = None
 
 
 def build_parts(trainer: Any, probe_prompts: Any = None) -> Parts:
@@ -171,7 +174,28 @@ def build_parts(trainer: Any, probe_prompts: Any = None) -> Parts:
         task_tokens=task_tokens,
         check_mirror=uses_loss_factor(args, type(method)),
     )
-    return Parts(access, loss_mirror, scorer, audit, param_estimate, rollout, micro_batches, RewardCheck())
+    source = None
+    if rollout is not None:
+        source = scores_source(estimate, trl_scores, reads_generation, rollout.defers_to_training_forward)
+    return Parts(access, loss_mirror, scorer, audit, param_estimate, rollout, micro_batches, RewardCheck(), source)
+
+
+def scores_source(estimate: str, trl_scores: bool, reads_generation: bool, in_training_forward: bool) -> str:
+    """Where the rollout pass takes log pi_t and H_t from, in the order `RolloutWeigher` tries them.
+
+    Example:
+        >>> scores_source("opefo", trl_scores=True, reads_generation=False, in_training_forward=False)
+        "TRL's own no-grad old-log-prob pass over the rollout (reused, no extra forward)"
+    """
+    if estimate == "param":
+        return "the `param` estimate's own gradient passes over each micro-batch"
+    if in_training_forward:
+        return "the training forward (one micro-batch per rollout, no extra forward)"
+    if trl_scores:
+        return "TRL's own no-grad old-log-prob pass over the rollout (reused, no extra forward)"
+    if reads_generation:
+        return "generation's logits (read while TRL samples, no extra forward)"
+    return "a no-grad scoring pass of the trainer's over each micro-batch (one extra forward per micro-batch)"
 
 
 def _task_tokens(args: Any, vocab_size: int, model: Any) -> torch.Tensor | None:

@@ -149,10 +149,16 @@ class RolloutWeigher:
         self.num_iterations, self.trl_scores_rollout = num_iterations, trl_scores_rollout
         self.writes_gradient, self.generation = writes_gradient, generation
         self.pending = False  # a rollout batch was generated and awaits its weights (``prepare``)
+        # A rollout batch that is one micro-batch, trained on once, is weighed in its training forward: the same
+        # parameters, and TRL computes H_t there anyway, where its own old-log-prob pass would have to add it.
+        self.defers_to_training_forward = (
+            loss.steps_per_generation == 1 and num_iterations == 1 and estimate in TABULAR_ESTIMATES
+        )
 
     def capture(self, ref_model: Any) -> RolloutCapture | None:
-        """What observes TRL's old-log-prob pass of the rollout about to be generated (None: TRL runs none)."""
-        if not self.trl_scores_rollout:
+        """What observes TRL's old-log-prob pass of the rollout about to be generated (None: TRL runs none, or the
+        rollout is weighed in its training forward)."""
+        if not self.trl_scores_rollout or self.defers_to_training_forward:
             return None
         return RolloutCapture(ref_model, self.scorer, needs_vocab_stats=self.estimate == "full")
 
@@ -180,11 +186,18 @@ class RolloutWeigher:
         self.pending = True
         return output
 
-    def prepare(self, batches: list[dict]) -> None:
-        """Weigh the micro-batches of the rollout TRL has just generated and split (a no-op between rollouts)."""
-        if self.pending:
-            self.pending = False
-            self.weigh(batches)
+    def prepare(self, batches: list[dict], first: dict) -> None:
+        """Weigh the micro-batches of the rollout TRL has generated and split (TRL's ``_buffered_inputs``), at the
+        loss of the ``first`` of them to be trained on (a no-op between rollouts)."""
+        if not self.pending:
+            return
+        if not any(batch is first for batch in batches):  # weights written elsewhere would never be trained on
+            raise RuntimeError(
+                "OPEFOTrainer: the micro-batch TRL trains on is not one of its buffered rollout micro-batches "
+                "(_buffered_inputs); this TRL version's _prepare_inputs differs from the supported one."
+            )
+        self.pending = False
+        self.weigh(batches)
 
     def weigh(self, batches: list[dict]) -> None:
         """Factor, flow and weights of every micro-batch of a rollout batch, in place (each gets its
@@ -200,10 +213,9 @@ class RolloutWeigher:
         ]
         captured = items[0].scores is not None
         if not captured:
-            if len(items) == 1 and self.num_iterations == 1 and self.estimate in TABULAR_ESTIMATES:
-                # The rollout batch is one micro-batch scored by the training forward with the same parameters:
-                # its weights are computed there, which saves a forward pass.
-                items[0].batch[STATE_KEY] = MicroBatchState(items[0].advantages, deferred=True)
+            if self.defers_to_training_forward:  # computed there: no forward of its own
+                (item,) = items
+                item.batch[STATE_KEY] = MicroBatchState(item.advantages, deferred=True)
                 return
             multimodal = sorted(k for k in MULTIMODAL_KEYS if batches[0].get(k) is not None)
             if multimodal:

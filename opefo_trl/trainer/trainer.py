@@ -2,9 +2,9 @@
 
 The trainer holds only `__init__` and TRL's hooks; each hook hands over to a part of this package:
 
-- `_generate_and_score_completions`, `_prepare_inputs` (once per rollout batch): `token_weights.RolloutWeigher`,
-  with `param_estimate.ParamEstimate` for the `param` estimate; before the first generation,
-  `checks.check_finite_policy` (the loaded weights hold no NaN or inf);
+- `_generate_and_score_completions` (once per rollout batch, then at its first `_compute_loss`, once TRL has split
+  it into micro-batches): `token_weights.RolloutWeigher`, with `param_estimate.ParamEstimate` for the `param`
+  estimate; before the first generation, `checks.check_finite_policy` (the loaded weights hold no NaN or inf);
 - `_compute_loss` (every micro-batch): `token_weights.MicroBatchWeigher`, with `loss_mirror.LossMirror` (TRL's
   per-token factor and loss aggregation);
 - `_get_per_token_logps_and_entropies` (every TRL scoring call): the scoring observer of the hook in progress, if any
@@ -149,6 +149,10 @@ class OPEFOTrainer(GRPOTrainer):
         self.access, self.scorer, self.loss_mirror = parts.access, parts.scorer, parts.loss_mirror
         self.audit, self.param_estimate, self.rollout = parts.audit, parts.param_estimate, parts.rollout
         self.micro_batches, self.reward_check = parts.micro_batches, parts.reward_check
+        #: Where lambda*'s log pi_t and H_t come from in this configuration (None: no rollout pass), logged once.
+        self.scores_source = parts.scores_source
+        if self.scores_source is not None and self.accelerator.is_main_process:
+            logger.info("OPEFOTrainer: the rollout's log pi and entropy come from %s.", self.scores_source)
         # TRL's reward computation calls `self.reward_funcs` (the environment's reward included): checked functions
         # from here on, under the names TRL gave them.
         self.reward_funcs = self.reward_check.wrap(self.reward_funcs, self.reward_func_names)
@@ -185,12 +189,6 @@ class OPEFOTrainer(GRPOTrainer):
         failed = torch.tensor(float(self.reward_check.error is not None), device=self.accelerator.device)
         self.reward_check.raise_if_failed(int(self.access.reduce_sum(failed)))
 
-    def _prepare_inputs(self, generation_batch):
-        inputs = super()._prepare_inputs(generation_batch)
-        if self.rollout is not None:  # TRL has just shuffled a new rollout batch and split it into micro-batches
-            self.rollout.prepare(self._buffered_inputs)
-        return inputs
-
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
     ):
@@ -204,6 +202,8 @@ class OPEFOTrainer(GRPOTrainer):
     def _compute_loss(self, model, inputs):
         if not self.model.training:
             return super()._compute_loss(model, inputs)
+        if self.rollout is not None:  # the first loss of a rollout batch, which TRL has shuffled and split by now
+            self.rollout.prepare(self._buffered_inputs, inputs)
         self._scoring_observer = call = self.micro_batches.loss_call(inputs)
         try:
             loss = super()._compute_loss(model, call.inputs)

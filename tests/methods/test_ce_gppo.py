@@ -76,11 +76,13 @@ def test_ce_gppo_is_inert_on_policy():
 
 
 def _micro_batch_with_unequal_lengths(trainer):
+    from trainer_setup import first_rollout
+
     from opefo_trl.trainer.batch_state import STATE_KEY
 
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
-    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    inputs = first_rollout(trainer)
     inputs = {k: v for k, v in inputs.items() if k != STATE_KEY}
     assert len(inputs["completion_mask"].sum(-1).unique()) > 1
     return inputs

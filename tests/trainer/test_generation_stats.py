@@ -3,7 +3,7 @@ logits instead of a scoring pass, and they are the scoring pass's to float32 rou
 
 import pytest
 import torch
-from trainer_setup import float64_reference, logged, make_config, make_trainer, spy
+from trainer_setup import first_rollout, float64_reference, logged, make_config, make_trainer, spy
 from transformers import set_seed
 
 from opefo_trl.trainer.token_weights import carried_scores
@@ -53,7 +53,7 @@ def test_the_statistics_read_from_generation_are_the_scoring_passs(
     trainer.current_gradient_accumulation_steps = 2
     captured = []
     spy(trainer.rollout, "weigh", lambda weigh, batches: captured.append([dict(b) for b in batches]))
-    trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    first_rollout(trainer)
     (batches,) = captured
     for batch in batches:
         rows = carried_scores(batch)
@@ -76,7 +76,7 @@ def test_the_full_estimates_vocabulary_sums_read_from_generation_are_the_scoring
     trainer.current_gradient_accumulation_steps = 2
     captured = []
     spy(trainer.rollout, "weigh", lambda weigh, batches: captured.append([dict(b) for b in batches]))
-    trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    first_rollout(trainer)
     (batches,) = captured
     for batch in batches:
         rows = carried_scores(batch)
@@ -103,7 +103,7 @@ def test_generation_statistics_at_a_temperature_are_the_float64_softmax_of_the_s
     trainer.current_gradient_accumulation_steps = 2
     captured = []
     spy(trainer.rollout, "weigh", lambda weigh, batches: captured.append([dict(b) for b in batches]))
-    trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    first_rollout(trainer)
     (batches,) = captured
     for batch in batches:
         rows = carried_scores(batch)

@@ -3,7 +3,7 @@ of TRL's loss, and an extra per-token term is aggregated exactly like TRL's poli
 
 import pytest
 import torch
-from trainer_setup import make_config, make_trainer
+from trainer_setup import first_rollout, make_config, make_trainer
 
 from opefo_trl.trainer.batch_state import STATE_KEY
 from opefo_trl.trainer.loss_mirror import LOSS_TYPES, LossMirror
@@ -15,7 +15,7 @@ def _micro_batch_with_unequal_lengths(trainer):
     """The first micro-batch TRL would train on (accumulation 2), with completions of different lengths."""
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
-    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    inputs = first_rollout(trainer)
     inputs = {k: v for k, v in inputs.items() if k != STATE_KEY}
     lengths = inputs["completion_mask"].sum(-1)
     assert len(lengths.unique()) > 1, "the warm model should end its completions at different lengths"

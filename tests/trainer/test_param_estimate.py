@@ -3,7 +3,7 @@ pass is the one TRL's own pass computes, for every loss type, and it is written 
 
 import pytest
 import torch
-from trainer_setup import logged, make_config, make_trainer, spy
+from trainer_setup import first_rollout, logged, make_config, make_trainer, spy
 from transformers import TrainerCallback, set_seed
 
 from opefo_trl.trainer.loss_mirror import LOSS_TYPES
@@ -203,7 +203,7 @@ def _first_rollout(trainer):
     trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
     captured = []
     spy(trainer.rollout, "weigh", lambda weigh, batches: captured.append([dict(b) for b in batches]))
-    trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    first_rollout(trainer)
     return captured[0]
 
 

@@ -2,7 +2,7 @@
 built."""
 
 import pytest
-from trainer_setup import make_config, make_trainer
+from trainer_setup import logged, make_config, make_trainer
 
 
 @pytest.mark.parametrize(
@@ -19,6 +19,80 @@ def test_a_configuration_gets_the_parts_it_needs(
     trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path, **settings))
     assert (trainer.rollout is not None) == rollout and (trainer.param_estimate is not None) == param
     assert trainer.audit in trainer.callback_handler.callbacks
+
+
+@pytest.mark.parametrize(
+    "settings, source, extra_forwards",
+    [
+        (dict(gradient_accumulation_steps=1), "the training forward (one micro-batch", 0),
+        (dict(gradient_accumulation_steps=2, per_device_train_batch_size=4), "generation's logits", 0),
+        (
+            dict(gradient_accumulation_steps=2, per_device_train_batch_size=4, num_iterations=2, allow_off_policy=True),
+            "TRL's own no-grad",
+            0,
+        ),
+    ],
+    ids=["one_micro_batch", "generation", "trl_pass"],
+)
+def test_the_run_says_once_where_lambda_stars_inputs_come_from_and_runs_no_pass_it_does_not_name(
+    tiny_model_path, tiny_dataset, length_reward, tmp_path, caplog, settings, source, extra_forwards
+):
+    import logging
+
+    from trainer_setup import spy
+
+    with caplog.at_level(logging.INFO, logger="opefo_trl"):
+        trainer = make_trainer(
+            tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path, method="opefo", max_steps=1, **settings)
+        )
+    said = [r.getMessage() for r in caplog.records if "log pi and entropy come from" in r.getMessage()]
+    assert len(said) == 1 and source in said[0] and trainer.scores_source.startswith(source)
+    own_passes = []
+    spy(trainer.scorer, "score", lambda score, *a, **k: own_passes.append(1) or score(*a, **k))
+    trainer.train()
+    assert len(own_passes) == extra_forwards
+    assert (
+        make_trainer(tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path, method="grpo")).scores_source
+        is None
+    )  # no rollout pass: nothing to say
+
+
+def test_a_one_micro_batch_rollout_that_trl_scores_is_weighed_in_the_training_forward(
+    tiny_model_path, tiny_dataset, length_reward, tmp_path
+):
+    """vLLM with importance-sampling correction and one micro-batch per rollout: TRL's old-log-prob pass runs as
+    GRPOTrainer runs it (no entropy over the vocabulary, which costs as much as the log-probs), and lambda* comes from
+    the training forward, where TRL computes H_t anyway."""
+    import inspect
+    from unittest import mock
+
+    import torch
+    from trl import GRPOTrainer
+
+    from opefo_trl.testing import vllm_generation_emulated
+
+    trainer = make_trainer(
+        tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path, method="opefo", max_steps=1)
+    )
+    assert trainer.scores_source.startswith("the training forward")
+    scoring = GRPOTrainer._get_per_token_logps_and_entropies
+    calls = []
+
+    def recorded(self, *args, **kwargs):
+        bound = inspect.signature(scoring).bind(self, *args, **kwargs)
+        calls.append((torch.is_grad_enabled(), bound.arguments.get("compute_entropy", False)))
+        return scoring(self, *args, **kwargs)
+
+    with (
+        vllm_generation_emulated(trainer),
+        mock.patch.object(GRPOTrainer, "_get_per_token_logps_and_entropies", recorded),
+    ):
+        trainer.train()
+    assert calls == [(False, False), (True, True)]  # TRL's old-log-prob pass, then the training forward
+    assert (
+        len(logged(trainer, "entropy_flow/lambda")) == 1
+        and len(logged(trainer, "sampling/importance_sampling_ratio/mean")) == 1
+    )
 
 
 def test_task_tokens_outside_the_vocabulary_are_refused(tiny_model_path, tiny_dataset, length_reward, tmp_path):

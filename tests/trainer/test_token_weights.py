@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from trainer_setup import make_config, make_trainer, spy
+from trainer_setup import first_rollout, make_config, make_trainer, spy
 
 from opefo_trl.testing import vllm_generation_emulated
 from opefo_trl.trainer.batch_state import STATE_KEY
@@ -29,7 +29,7 @@ def test_trls_old_log_prob_pass_rides_along_its_shuffle_and_split(
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2
     with vllm_generation_emulated(trainer), torch.no_grad():
-        trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+        first_rollout(trainer)
     (batches,) = seen
     assert len(batches) == 2
     for batch in batches:

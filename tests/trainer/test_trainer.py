@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from trainer_setup import base_settings, logged, make_config, make_trainer, spy
+from trainer_setup import base_settings, first_rollout, logged, make_config, make_trainer, spy
 
 from opefo_trl import OPEFOConfig, OPEFOTrainer
 from opefo_trl.maths.entropy_flow import entropy_flow, flow_per_unit_advantage, flow_stats, token_weights
@@ -749,7 +749,7 @@ def _first_rollout(tiny_model_path, tiny_dataset, length_reward, args):
     trainer.create_optimizer()
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
-    trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    first_rollout(trainer)
     return trainer, captured[0]
 
 

@@ -74,3 +74,12 @@ def float64_reference(model_path, batch, temperature, direction=None, step=0.0):
         probs.square().sum(-1),
         (probs.square() * logp).sum(-1),
     )
+
+
+def first_rollout(trainer):
+    """TRL's first rollout batch, generated, shuffled and split into micro-batches (`GRPOTrainer._prepare_inputs`),
+    then weighed as `OPEFOTrainer` weighs it at the loss of its first micro-batch; returns that micro-batch."""
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    if getattr(trainer, "rollout", None) is not None:
+        trainer.rollout.prepare(trainer._buffered_inputs, inputs)
+    return inputs
