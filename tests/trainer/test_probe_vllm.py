@@ -3,8 +3,8 @@
 from contextlib import nullcontext
 
 import pytest
-from test_trainer_vllm import release, vllm_settings
-from trainer_setup import make_trainer
+from test_trainer_vllm import vllm_settings
+from trainer_setup import make_trainer, release_vllm
 
 from opefo_trl import OPEFOConfig
 from opefo_trl.trainer.parts import fixed_probe
@@ -35,4 +35,4 @@ def test_the_fixed_probe_follows_from_seed_under_vllm(
         probe.seed += 1
         assert completions(probe) != first
     finally:
-        release(trainer)
+        release_vllm(trainer)

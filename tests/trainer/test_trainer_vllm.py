@@ -5,14 +5,11 @@ around a missing engine: here the rollout is sampled by vLLM (a bf16 engine whos
 and every lambda* is recomputed from the trainer's own scoring pass over the same completions at the same parameters.
 """
 
-import gc
-
 import pytest
 import torch
-from trainer_setup import base_settings, logged, make_trainer, spy
+from trainer_setup import base_settings, lambda_from_scoring, logged, make_trainer, release_vllm, spy, vllm_weights
 
 from opefo_trl import OPEFOConfig
-from opefo_trl.maths.entropy_flow import flow_per_unit_advantage, flow_stats
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -21,21 +18,6 @@ def vllm_settings(tmp_path, **overrides):
     return base_settings(
         tmp_path, use_vllm=True, vllm_mode="colocate", vllm_max_model_length=128, max_steps=2, **overrides
     )
-
-
-def lambda_from_scoring(trainer, batches) -> float:
-    """lambda* of a rollout's micro-batches from the trainer's own scoring pass (``Scorer.score``) at the current
-    parameters."""
-    totals = None
-    estimate = trainer.args.entropy_flow_estimate
-    for batch in batches:
-        scores = trainer.scorer.score(batch, vocab=estimate == "full")
-        advantages = batch["advantages"].float()
-        factor = trainer.loss_mirror.factor(batch, scores.logps, scores.entropies, advantages)
-        unit = flow_per_unit_advantage(scores.logps, scores.entropies, estimate, *scores.vocab)
-        stats = flow_stats(advantages.unsqueeze(1) * unit, factor)
-        totals = stats if totals is None else totals + stats
-    return float(totals.lambda_star)
 
 
 def record_expected_lambdas(trainer, record):
@@ -55,16 +37,6 @@ def record_expected_lambdas(trainer, record):
     else:
         assert trainer.args.gradient_accumulation_steps == 1  # one micro-batch per rollout
         spy(trainer, "compute_loss", compute_loss)
-
-
-def release(trainer):
-    """Free the colocated engine, so that the next test's can start in this process."""
-    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-
-    del trainer.vllm_generation.llm
-    destroy_model_parallel()
-    destroy_distributed_environment()
-    gc.collect()
 
 
 # Tolerance of lambda*: the trainer's scoring pass and TRL's old-log-prob pass are float32 forwards of the same
@@ -113,12 +85,7 @@ def test_colocate_lambda_is_the_trainers_own_scoring(
         differences = logged(trainer, "sampling/sampling_logp_difference/mean")
         assert len(differences) == (2 if correction else 0) and all(d > 0 for d in differences)
     finally:
-        release(trainer)
-
-
-def vllm_weights(trainer) -> dict[str, torch.Tensor]:
-    model = trainer.vllm_generation.llm.llm_engine.model_executor.driver_worker.model_runner.model
-    return {name: param.detach().float().clone() for name, param in model.named_parameters()}
+        release_vllm(trainer)
 
 
 def test_colocate_weight_sync_is_real(vllm_model_path, tiny_dataset, length_reward, tmp_path, vllm_cpu_gemm):
@@ -146,4 +113,4 @@ def test_colocate_weight_sync_is_real(vllm_model_path, tiny_dataset, length_rewa
             assert moved > 10 * (2**-8) * before.abs().max() or moved > 1e-3, name
             assert (served[name] - before).abs().max() > 0.5 * moved, name
     finally:
-        release(trainer)
+        release_vllm(trainer)

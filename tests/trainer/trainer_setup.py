@@ -83,3 +83,41 @@ def first_rollout(trainer):
     if getattr(trainer, "rollout", None) is not None:
         trainer.rollout.prepare(trainer._buffered_inputs, inputs)
     return inputs
+
+
+# --- The vLLM tier (TRL's colocate generation on vLLM's CPU build).
+
+
+def lambda_from_scoring(trainer, batches) -> float:
+    """lambda* of a rollout's micro-batches from the trainer's own scoring pass (``Scorer.score``) at the current
+    parameters."""
+    from opefo_trl.maths.entropy_flow import flow_per_unit_advantage, flow_stats
+
+    totals = None
+    estimate = trainer.args.entropy_flow_estimate
+    for batch in batches:
+        scores = trainer.scorer.score(batch, vocab=estimate == "full")
+        advantages = batch["advantages"].float()
+        factor = trainer.loss_mirror.factor(batch, scores.logps, scores.entropies, advantages)
+        unit = flow_per_unit_advantage(scores.logps, scores.entropies, estimate, *scores.vocab)
+        stats = flow_stats(advantages.unsqueeze(1) * unit, factor)
+        totals = stats if totals is None else totals + stats
+    return float(totals.lambda_star)
+
+
+def vllm_weights(trainer):
+    """The colocated engine's parameters by vLLM's names (float32 copies)."""
+    model = trainer.vllm_generation.llm.llm_engine.model_executor.driver_worker.model_runner.model
+    return {name: param.detach().float().clone() for name, param in model.named_parameters()}
+
+
+def release_vllm(trainer):
+    """Free the colocated engine, so that the next test's can start in this process."""
+    import gc
+
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    del trainer.vllm_generation.llm
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    gc.collect()
