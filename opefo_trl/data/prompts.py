@@ -16,6 +16,10 @@ Registered templates:
   within \\boxed{}.") followed by the problem as the user message. Used by the OPEFO paper's Qwen recipes.
 - ``"dapo"``: DAPO-Math-17k's user prompt, which asks for a last line ``Answer: $Answer``.
 - ``"plain"``: the problem alone as the user message.
+- ``"worked_example"``: one solved word problem as a previous user / assistant turn (the working, then a last line
+  ``Answer: N``), then the problem. A small instruct model copies the example's answer line, which the math reward
+  reads; under ``"qwen_math_boxed"`` SmolLM2-135M-Instruct explains until its 40 tokens run out and is almost never
+  paid (recipes/README.md).
 
 Both answer forms (``\\boxed{...}`` and ``Answer: ...``) are extracted by :mod:`opefo_trl.data.rewards`.
 
@@ -41,7 +45,8 @@ PROBLEM_PLACEHOLDER = "{problem}"
 
 @dataclass(frozen=True)
 class PromptTemplate:
-    """A system message (optional) and a user message with a ``{problem}`` placeholder.
+    """A system message (optional), solved examples (optional: (question, answer) pairs, each a user and an assistant
+    turn before the problem) and a user message with a ``{problem}`` placeholder.
 
     The placeholder is substituted with :meth:`str.replace`, not :meth:`str.format`, so LaTeX braces in problems
     (``\\frac{1}{2}``) need no escaping.
@@ -50,6 +55,7 @@ class PromptTemplate:
     user: str
     system: str | None = None
     description: str = ""
+    examples: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         if self.user.count(PROBLEM_PLACEHOLDER) != 1:
@@ -63,6 +69,9 @@ class PromptTemplate:
         messages = []
         if self.system is not None:
             messages.append({"role": "system", "content": self.system})
+        for question, answer in self.examples:
+            messages.append({"role": "user", "content": self.user.replace(PROBLEM_PLACEHOLDER, question)})
+            messages.append({"role": "assistant", "content": answer})
         messages.append({"role": "user", "content": self.user.replace(PROBLEM_PLACEHOLDER, problem)})
         return messages
 
@@ -76,6 +85,11 @@ DAPO_USER_PROMPT = (
     'Remember to put your answer on its own line after "Answer:".'
 )
 
+#: The solved example of ``"worked_example"``: a problem of the kind ``opefo_trl.data.word_problems`` writes (not one
+#: of them: a name and a thing it never uses).
+WORKED_EXAMPLE_QUESTION = "Tom has 2 kites and gets 3 more. How many kites does Tom have now?"
+WORKED_EXAMPLE_ANSWER = "2 + 3 = 5\nAnswer: 5"
+
 PROMPT_TEMPLATES: dict[str, PromptTemplate] = {
     "qwen_math_boxed": PromptTemplate(
         system=QWEN_MATH_SYSTEM_PROMPT,
@@ -87,6 +101,11 @@ PROMPT_TEMPLATES: dict[str, PromptTemplate] = {
         description='DAPO-Math-17k user prompt asking for a last line "Answer: $Answer".',
     ),
     "plain": PromptTemplate(user=PROBLEM_PLACEHOLDER, description="The problem alone as the user message."),
+    "worked_example": PromptTemplate(
+        user=PROBLEM_PLACEHOLDER,
+        examples=((WORKED_EXAMPLE_QUESTION, WORKED_EXAMPLE_ANSWER),),
+        description='One solved word problem as a previous turn (last line "Answer: N"), then the problem.',
+    ),
 }
 
 DEFAULT_TEMPLATE = "qwen_math_boxed"

@@ -76,12 +76,20 @@ def sample_completions(
 
 
 def evaluate_held_out(
-    model, tokenizer, task: DemoTask, samples: int, ks: Sequence[int], max_new_tokens: int, seed: int
+    model,
+    tokenizer,
+    task: DemoTask,
+    samples: int,
+    ks: Sequence[int],
+    max_new_tokens: int,
+    seed: int,
+    temperature: float = 1.0,
 ) -> HeldOutResult:
-    """Sample ``samples`` completions per held-out target (temperature 1, no top-k/top-p) and score exact answers."""
+    """Sample ``samples`` completions per held-out target (at ``temperature``, no top-k/top-p) and score exact
+    answers."""
     targets = task.held_out_targets
     prompt_mask, output = sample_completions(
-        model, tokenizer, [task.prompt(t) for t in targets], samples, max_new_tokens, 1.0, seed
+        model, tokenizer, [task.prompt(t) for t in targets], samples, max_new_tokens, temperature, seed
     )
     answers = tokenizer.batch_decode(output[:, prompt_mask.shape[1] :], skip_special_tokens=True)
     correct, distinct = [], []

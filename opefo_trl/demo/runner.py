@@ -66,6 +66,7 @@ def check_demo(output_dir: str, settings: DemoSettings) -> None:
 
     require_extra("plot", "matplotlib", "The demo (its curves)")
     settings.validate()
+    TASKS[settings.task].check_installed()
     assert settings.seeds is not None  # DemoSettings.__post_init__ fills the settings left at None
     methods = demo_methods(settings.entropy_coef)
     for name in settings.methods:
@@ -116,7 +117,9 @@ def _evaluate_warm_start(model_path: str, settings: DemoSettings, log) -> HeldOu
 
     if not settings.pass_at_k_samples:
         return None
-    assert settings.max_completion_length is not None  # DemoSettings.__post_init__ fills the settings left at None
+    # DemoSettings.__post_init__ fills the settings left at None:
+    assert settings.max_completion_length is not None and settings.pass_at_k is not None
+    assert settings.temperature is not None
     task = TASKS[settings.task]
     result = evaluate_held_out(
         AutoModelForCausalLM.from_pretrained(model_path),
@@ -126,8 +129,9 @@ def _evaluate_warm_start(model_path: str, settings: DemoSettings, log) -> HeldOu
         settings.pass_at_k,
         settings.max_completion_length,
         seed=0,
+        temperature=settings.temperature,
     )
-    log(f"warm-start policy on the held-out targets: {_held_out_line(result)}")
+    log(f"{task.start_label} on the held-out targets: {_held_out_line(result)}")
     return result
 
 
@@ -146,7 +150,12 @@ def _run_setting(
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(NUMERICS[name].threads)
     try:
-        model_path = warm_start(output_dir, settings, name, log=log)
+        task = TASKS[settings.task]
+        if task.pretrained_model is not None:
+            model_path = task.pretrained_model()
+            log(f"pretrained model (no warm start): {model_path}")
+        else:
+            model_path = warm_start(output_dir, settings, name, log=log)
         warm = _evaluate_warm_start(model_path, settings, log)
         jobs: list[TrainJob] = [
             (methods[method], seed, name, model_path, run_dir(output_dir, name, method, seed), settings)
@@ -298,12 +307,14 @@ def plot_demo(
             path,
             groups=groups,
             smoothing=0.6,
-            title=f"{task.name} task, tiny Qwen2, {len(settings.seeds)} seed(s), numerics {' and '.join(numerics)} "
+            title=f"{task.name} task, {model}, {len(settings.seeds)} seed(s), numerics {' and '.join(numerics)} "
             "(EMA-smoothed 0.6; band: ±1 std)",
-            pass_at_k=({"warm start": warm} if warm else {}) | curves,
+            pass_at_k=({start: warm} if warm else {}) | curves,
             panels=(*DEFAULT_PANELS, *placement_panels),
         )
 
+    model = "SmolLM2-135M-Instruct" if task.pretrained_model else "tiny Qwen2"
+    start = "base model" if task.pretrained_model else "warm start"
     figure = os.path.join(output_dir, "curves.png")
     draw(figure, results, settings.numerics)
     if len(settings.numerics) > 1:

@@ -150,6 +150,10 @@ NUMERICS_VARIABLES = tuple(sorted({k for n in NUMERICS.values() for k in n.envir
 DEFAULT_METHODS = ("grpo", "opefo", "opefo_param_step", "entropy_reg")
 #: The k of pass@k; the largest must not exceed the samples drawn per held-out target.
 DEFAULT_PASS_AT_K = (1, 4, 16, 64)
+#: The settings a task may set (``DemoTask.defaults``), where it does not.
+COMMON_DEFAULTS = dict(
+    warmup_steps=10, temperature=1.0, num_generations=8, pass_at_k_samples=64, pass_at_k=list(DEFAULT_PASS_AT_K)
+)
 
 
 def _setting(default, help: str, **kwargs):
@@ -174,7 +178,9 @@ class DemoSettings:
     """
 
     output_dir: str = _setting("runs/demo", "Where models, runs, curves.png and summary.md go.")
-    task: str = _setting("digit_sum", f"Synthetic task: {', '.join(TASKS)}.")
+    task: str = _setting(
+        "digit_sum", f"Task: {', '.join(TASKS)} (word_problems: the pretrained SmolLM2-135M-Instruct, make demo-real)."
+    )
     quick: bool = _setting(
         False,
         "CI mode: by default one seed, half the task's warm start and a third of its RL steps (values given "
@@ -210,37 +216,45 @@ class DemoSettings:
     warm_start_seed: int = _setting(0, "Seed of the random model and of the warm-start data (shared by all runs).")
     steps: int | None = _task_setting("RL optimizer steps per run (each on a fresh rollout batch: strict on-policy).")
     prompts_per_step: int | None = _task_setting("Prompts per RL step.")
-    num_generations: int = _setting(8, "Sampled completions per prompt (GRPO group size).")
+    num_generations: int | None = _task_setting("Sampled completions per prompt (GRPO group size).")
+    micro_batch_size: int | None = _setting(
+        None,
+        "Completions per forward and backward (gradient accumulation over a step's rollout batch, still one "
+        "optimizer step per rollout); it must divide prompts_per_step x num_generations. Default: the task's, else "
+        "the whole rollout batch.",
+    )
     max_completion_length: int | None = _task_setting("Completion token limit.")
     learning_rate: float | None = _task_setting("RL learning rate (constant after warm-up), the same for every method.")
-    warmup_steps: int = _setting(10, "RL learning-rate warm-up steps.")
-    temperature: float = _setting(1.0, "Sampling temperature of the rollouts.")
+    warmup_steps: int | None = _task_setting("RL learning-rate warm-up steps.")
+    temperature: float | None = _task_setting("Sampling temperature of the rollouts and of the held-out samples.")
     entropy_coef: float = _setting(
         1e-3,
         "Entropy bonus coefficient of the `entropy_reg` method (TRL's entropy_coef); 1e-3 is the literature's "
         "default, fixed before the comparison.",
     )
-    pass_at_k_samples: int = _setting(
-        64,
-        "Completions sampled per held-out target (temperature 1) from the warm start and from each trained policy, "
-        "for pass@k and the distinct right answers (0 skips the evaluation).",
+    pass_at_k_samples: int | None = _task_setting(
+        "Completions sampled per held-out target (at the rollouts' temperature) from the warm start or base model and "
+        "from each trained policy, for pass@k and the distinct right answers (0 skips the evaluation)."
     )
-    pass_at_k: list[int] = field(
-        default_factory=lambda: list(DEFAULT_PASS_AT_K),
-        metadata={"help": "The k of the unbiased pass@k on the held-out targets (each <= pass_at_k_samples)."},
+    pass_at_k: list[int] | None = field(
+        default=None,
+        metadata={
+            "help": "The k of the unbiased pass@k on the held-out targets (each <= pass_at_k_samples). Default: the "
+            "task's (see TASKS)."
+        },
     )
 
     def __post_init__(self):
         if self.task not in TASKS:
             raise ValueError(f"Unknown task {self.task!r}; choose one of {list(TASKS)}.")
-        defaults = {**TASKS[self.task].defaults, "seeds": [0, 1, 2]}
+        defaults = {**COMMON_DEFAULTS, **TASKS[self.task].defaults, "seeds": [0, 1, 2]}
         if self.quick:
             defaults.update(
                 seeds=[0], warm_start_steps=defaults["warm_start_steps"] // 2, steps=max(2, defaults["steps"] // 3)
             )
         for name, value in defaults.items():
             if getattr(self, name) is None:
-                setattr(self, name, value)
+                setattr(self, name, list(value) if isinstance(value, list) else value)  # no list shared
         self.validate()
 
     def validate(self) -> None:
@@ -259,6 +273,16 @@ class DemoSettings:
                 raise ValueError(f"--{name} has duplicates: {values}.")
         # __post_init__ fills the settings left at None:
         assert self.warm_start_steps is not None and self.prompts_per_step is not None
+        assert self.num_generations is not None and self.pass_at_k_samples is not None and self.pass_at_k is not None
+        assert self.temperature is not None
+        task = TASKS[self.task]
+        if task.pretrained_model is not None:
+            fixed = {k: task.defaults[k] for k in ("hidden_size", "num_layers", "warm_start_steps")}
+            changed = {k: getattr(self, k) for k, v in fixed.items() if getattr(self, k) != v}
+            if changed:
+                raise ValueError(
+                    f"Task {self.task!r} trains the pretrained model as it is ({fixed}); it cannot take {changed}."
+                )
         positive = (
             "steps", "warm_start_batch_size", "prompts_per_step", "max_completion_length", "hidden_size",
             "num_layers", "workers",
@@ -288,7 +312,13 @@ class DemoSettings:
             raise ValueError(
                 f"num_generations must be >= 2 (GRPO needs a group to compare), got {self.num_generations}."
             )
-        targets = len(TASKS[self.task].train_targets)
+        completions = self.prompts_per_step * self.num_generations
+        if self.micro_batch_size is not None and (self.micro_batch_size < 1 or completions % self.micro_batch_size):
+            raise ValueError(
+                f"micro_batch_size ({self.micro_batch_size}) must divide the {completions} completions of a step "
+                "(prompts_per_step x num_generations)."
+            )
+        targets = len(task.train_targets)
         if self.prompts_per_step > targets:
             raise ValueError(
                 f"prompts_per_step ({self.prompts_per_step}) exceeds the {targets} training prompts of task "

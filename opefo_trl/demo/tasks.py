@@ -1,7 +1,10 @@
-"""The demo's synthetic tasks: data, reward, warm-start answers, the exact-answer check, and the train / held-out split.
+"""The demo's tasks: data, reward, warm-start answers, the exact-answer check, and the train / held-out split.
 
-Each task's prompts are whole target numbers. Every fifth target (from the third) is *held out*: it appears neither
-in the warm start's supervised data nor in RL, and pass@k is measured on it (``held_out_split``).
+Each synthetic task's prompts are whole target numbers, and its model a tiny Qwen2 warm-started on them;
+``word_problems`` (``make demo-real``) starts from the pretrained SmolLM2-135M-Instruct instead, and its targets are
+the indices of recipes/smollm2-135m-instruct's word problems (``opefo_trl.data.word_problems``). Every fifth target
+(from the third) is *held out*: it appears neither in the warm start's supervised data nor in RL, and pass@k is
+measured on it (``held_out_split``).
 
 Example:
     >>> from opefo_trl.demo.tasks import TASKS
@@ -17,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
+from opefo_trl.data import word_problems
+from opefo_trl.data.prompts import format_prompt
 from opefo_trl.demo import addition, digit_sum
 
 #: One target in this many is held out (starting from the ``HELD_OUT_OFFSET``-th), spread across the range.
@@ -59,6 +64,19 @@ class DemoTask:
     defaults: dict = field(default_factory=dict)
     #: The characters answers are written in, one token each: the task rewards no other token.
     answer_characters: str = "0123456789"
+    #: A pretrained model's folder (built on call) that every run starts from, instead of the tiny model and its
+    #: warm start; the report then reads the pretrained readings (``opefo_trl.demo.report``).
+    pretrained_model: Callable[[], str] | None = None
+    #: Raises ImportError / FileNotFoundError, in one line, when something the task needs is not installed.
+    check_installed: Callable[[], None] = lambda: None
+    #: Measure where the entropy sits during each run (``opefo_trl.demo.placement``): 16 samples per held-out prompt
+    #: every twelfth of the run, cheap on the tiny model, minutes per run on a pretrained one.
+    measure_placement: bool = True
+
+    @property
+    def start_label(self) -> str:
+        """What the policy before RL is called in the report."""
+        return "base model (before RL)" if self.pretrained_model else "warm start (before RL)"
 
     @property
     def train_targets(self) -> list[int]:
@@ -88,6 +106,57 @@ def _exact_digit_sum(text: str, target: int):
     digits = digit_sum.answer_digits(text)
     exact = len(digits) == digit_sum.DEFAULT_NUM_DIGITS and sum(digits) == target
     return tuple(digits) if exact else None
+
+
+#: The word-problem task's problems: the first ``WORD_PROBLEMS`` of recipes/smollm2-135m-instruct's generator.
+WORD_PROBLEMS = 80
+WORD_PROBLEM_TEMPLATE = "worked_example"
+
+
+def _word_problem_prompt(index: int) -> list[dict]:
+    return format_prompt(word_problems.word_problems(WORD_PROBLEMS)[index].question, WORD_PROBLEM_TEMPLATE)
+
+
+def _word_problem_dataset(indices: Sequence[int]):
+    from datasets import Dataset
+
+    problems = word_problems.word_problems(WORD_PROBLEMS)
+    return Dataset.from_list(
+        [{"prompt": _word_problem_prompt(i), "solution": str(problems[i].result), "target": i} for i in indices]
+    )
+
+
+def strict_math_reward(completions, solution, log_metric=None, log_extra=None, **kwargs):
+    """The strict math reward (``math_reward_mode="strict"``, recipes/smollm2-135m-instruct's), imported on first
+    call: the synthetic tasks need no math extra."""
+    from opefo_trl.data.rewards import build_math_accuracy_reward
+
+    return build_math_accuracy_reward("strict")(completions, solution, log_metric, log_extra, **kwargs)
+
+
+def _exact_word_problem(text: str, index: int):
+    from opefo_trl.data.rewards import verify_completion
+
+    result = word_problems.word_problems(WORD_PROBLEMS)[index].result
+    return result if verify_completion(text, str(result), "strict").score == 1.0 else None
+
+
+def _no_warm_start(count: int, targets: Sequence[int], seed: int) -> list[tuple[int, str]]:
+    raise ValueError("The word_problems task starts from the pretrained model: it has no warm start.")
+
+
+def _check_word_problems_installed() -> None:
+    from opefo_trl._extras import require_extra
+    from opefo_trl.real_model import wheel_gguf_path
+
+    require_extra("math", "math_verify", "The word_problems task (its strict math reward)")
+    wheel_gguf_path()  # the model file (gguf itself is needed only to build the cached folder, and checked then)
+
+
+def _smollm2() -> str:
+    from opefo_trl.real_model import smollm2_135m_instruct
+
+    return str(smollm2_135m_instruct())
 
 
 TASKS = {
@@ -134,6 +203,36 @@ TASKS = {
             prompts_per_step=8,
             learning_rate=3e-4,
             max_completion_length=6,
+        ),  # fmt: skip
+    ),
+    "word_problems": DemoTask(
+        name="word_problems",
+        description="One-step arithmetic word problems on the pretrained SmolLM2-135M-Instruct (make demo-real)",
+        targets=tuple(range(WORD_PROBLEMS)),
+        prompt=_word_problem_prompt,
+        build_dataset=_word_problem_dataset,
+        reward=strict_math_reward,
+        warm_start_answers=_no_warm_start,
+        exact_answer=_exact_word_problem,
+        pretrained_model=_smollm2,
+        check_installed=_check_word_problems_installed,
+        measure_placement=False,
+        # recipes/smollm2-135m-instruct's rollouts and learning rate (8 prompts x 4 completions of <= 40 tokens,
+        # temperature 0.7, lr 5e-6), sized to the CPU budget of make demo-real; hidden size and layers are the model's.
+        defaults=dict(
+            hidden_size=576,
+            num_layers=30,
+            warm_start_steps=0,
+            steps=15,
+            prompts_per_step=8,
+            num_generations=4,
+            micro_batch_size=8,  # the recipe's: a 32-completion forward over the 49,152-token vocabulary takes ~11 GB
+            learning_rate=5e-6,
+            warmup_steps=0,
+            temperature=0.7,
+            max_completion_length=40,
+            pass_at_k_samples=16,
+            pass_at_k=[1, 4, 16],
         ),  # fmt: skip
     ),
 }

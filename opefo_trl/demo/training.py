@@ -43,15 +43,18 @@ def build_config(
     sets to ``START_ENTROPY`` (an entropy target)."""
     from opefo_trl import OPEFOConfig
 
-    assert settings.prompts_per_step is not None  # DemoSettings.__post_init__ fills the settings left at None
+    # DemoSettings.__post_init__ fills the settings left at None:
+    assert settings.prompts_per_step is not None and settings.num_generations is not None
+    completions = settings.prompts_per_step * settings.num_generations
+    micro_batch = settings.micro_batch_size or completions
     fields = {k: start_entropy if v == START_ENTROPY else v for k, v in method.config.items()}
     return OPEFOConfig(
         output_dir=run_dir,
         seed=seed,
         data_seed=seed,
         max_steps=settings.steps,
-        per_device_train_batch_size=settings.prompts_per_step * settings.num_generations,
-        gradient_accumulation_steps=1,
+        per_device_train_batch_size=micro_batch,
+        gradient_accumulation_steps=completions // micro_batch,  # one rollout batch per optimizer step
         num_generations=settings.num_generations,
         max_completion_length=settings.max_completion_length,
         temperature=settings.temperature,
@@ -114,6 +117,9 @@ class RunResult:
     measured_delta_mean: float
     measured_abs_delta_mean: float
     predicted_delta_mean: float | None = None
+    #: Mean over steps of the first-order increase flow P and decrease flow N (both >= 0; the run's own estimate).
+    increase_mean: float | None = None
+    decrease_mean: float | None = None
     step_first_order_mean: float | None = None
     regime_warning: str | None = None
     held_out: HeldOutResult | None = None
@@ -177,6 +183,8 @@ class HistorySummary(TypedDict):
     measured_abs_delta_mean: float
     predicted_delta_mean: float | None
     step_first_order_mean: float | None
+    increase_mean: float | None
+    decrease_mean: float | None
     task_entropy_start: float | None
     task_entropy_final: float | None
     off_task_probability_start: float | None
@@ -226,6 +234,8 @@ def summarize_history(history: list[dict]) -> HistorySummary:
         "measured_abs_delta_mean": statistics.fmean(abs(x) for x in measured),
         "predicted_delta_mean": _mean_or_none(_metric(history, "entropy_flow/predicted_delta")),
         "step_first_order_mean": _mean_or_none(_metric(history, "entropy_flow/step_first_order")),
+        "increase_mean": _mean_or_none(_metric(history, "entropy_flow/increase")),
+        "decrease_mean": _mean_or_none(_metric(history, "entropy_flow/decrease")),
         "task_entropy_start": task_entropy[0],
         "task_entropy_final": task_entropy[1],
         "off_task_probability_start": off_task[0],
@@ -275,6 +285,7 @@ def train_one(
 
     # DemoSettings.__post_init__ fills the settings left at None:
     assert settings.steps is not None and settings.max_completion_length is not None
+    assert settings.pass_at_k is not None and settings.temperature is not None
     task = TASKS[settings.task]
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     task_tokens = task.task_token_ids(tokenizer)
@@ -287,20 +298,23 @@ def train_one(
     args = build_config(method, seed, run_dir, settings, task_tokens, start_entropy)
     label = f"{method.name} seed {seed}" + (f" {numerics}" if len(settings.numerics) > 1 else "")
     start, cpu_start = time.perf_counter(), time.process_time()
-    placement = PlacementCallback(
-        tokenizer,
-        [task.prompt(t) for t in task.held_out_targets],
-        torch.tensor(task_tokens),
-        every=max(1, settings.steps // PLACEMENT_POINTS),
-        seed=seed,
-        **measure,
-    )
+    callbacks = [_progress_callback(label, settings.steps, log)]
+    if task.measure_placement:
+        placement = PlacementCallback(
+            tokenizer,
+            [task.prompt(t) for t in task.held_out_targets],
+            torch.tensor(task_tokens),
+            every=max(1, settings.steps // PLACEMENT_POINTS),
+            seed=seed,
+            **measure,
+        )
+        callbacks.append(placement)
     trainer = (trainer_class or OPEFOTrainer)(
         model=model_path,
         reward_funcs=task.reward,
         args=args,
         train_dataset=task.train_dataset(),
-        callbacks=[_progress_callback(label, settings.steps, log), placement],
+        callbacks=callbacks,
     )
     # With disable_tqdm the Trainer prints every log dict; our progress lines replace both.
     trainer.remove_callback(PrinterCallback)
@@ -334,5 +348,6 @@ def train_one(
             settings.pass_at_k,
             settings.max_completion_length,
             seed=seed,
+            temperature=settings.temperature,
         )
     return result

@@ -17,7 +17,7 @@ PROBLEM = r"Let $f(x) = \frac{1}{x}$ and $\{a_n\}$ a sequence. Compute $f(2)$."
 
 
 def test_registry_has_the_documented_templates():
-    assert {"qwen_math_boxed", "dapo", "plain"} <= set(PROMPT_TEMPLATES)
+    assert {"qwen_math_boxed", "dapo", "plain", "worked_example"} <= set(PROMPT_TEMPLATES)
 
 
 def test_qwen_math_boxed_is_system_prompt_plus_problem():
@@ -53,6 +53,14 @@ def test_messages_render_with_a_chat_template(tiny_model_path):
     text = tokenizer.apply_chat_template(format_prompt("What is 2 + 3?"), tokenize=False, add_generation_prompt=True)
     assert text.startswith("<|im_start|>system\nPlease reason step by step")
     assert text.endswith("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_worked_example_puts_one_solved_problem_before_the_problem():
+    assert format_prompt("Ana has 2 cats and gets 1 more. How many cats does Ana have now?", "worked_example") == [
+        {"role": "user", "content": "Tom has 2 kites and gets 3 more. How many kites does Tom have now?"},
+        {"role": "assistant", "content": "2 + 3 = 5\nAnswer: 5"},
+        {"role": "user", "content": "Ana has 2 cats and gets 1 more. How many cats does Ana have now?"},
+    ]
 
 
 def test_unknown_template_lists_valid_names():

@@ -173,3 +173,30 @@ def test_settings_with_identical_logs_are_reported_as_one():
     assert identical_runs(other)[("threads1", "mkl_compatible")] == (0, 1)
     table = summary_markdown(same, DemoSettings(seeds=[0, 1], methods=["grpo"], pass_at_k=[1, 4]), {})
     assert "Numerics threads1 and threads2: 2 of 2 runs gave identical logs. They are one setting" in table
+
+
+def test_pretrained_readings_a_to_d_replace_the_regime_reading():
+    results = []
+    for seed in range(3):
+        grpo = _result("grpo", seed, entropy_final=0.5 + 0.01 * seed, entropy_start=0.6)  # falls to ~0.85x
+        grpo.increase_mean, grpo.decrease_mean = 1.0, 1.5 + seed  # N > P
+        opefo = _result("opefo", seed, entropy_final=0.6 + 0.01 * seed, entropy_start=0.6)  # ~1.0x
+        opefo.increase_mean, opefo.decrease_mean = 1.0, 1.0
+        results += [grpo, opefo]
+    found = readings(summarize(results), [1, 4], pretrained=True)
+    assert not [r for r in found if r.text.startswith("1.")]
+    small = _by_text(found, "a. λ* small")
+    assert small.verdicts == {"threads1": "yes"} and small.cell("threads1") == "yes (|λ*| 0.0400)"  # <= 0.05
+    assert _by_text(found, "b. GRPO's decrease flow").cell("threads1") == "yes (N 2.5 vs P 1)"
+    assert _by_text(found, "c. GRPO's entropy falls").cell("threads1") == "yes (0.850x)"
+    falls_less = _by_text(found, "d. OPEFO's entropy falls less")
+    assert falls_less.verdicts == {"threads1": "yes"} and "1.017x vs 0.850x" in falls_less.cell("threads1")
+    for r in results:
+        if r.method == "grpo":
+            r.lambda_abs_mean, r.decrease_mean, r.entropy_final = 0.3, 0.5, 0.7  # |λ*| large, P > N, entropy up
+    found = readings(summarize(results), [1, 4], pretrained=True)
+    assert [_by_text(found, f"{x}.").verdicts["threads1"] for x in "abcd"] == ["no", "no", "no", "no"]
+    table = summary_markdown(
+        results, DemoSettings(task="word_problems", seeds=[0, 1, 2], methods=["grpo", "opefo"]), {}
+    )
+    assert "The pretrained SmolLM2-135M-Instruct (30 layers" in table and "| a. λ* small" in table

@@ -65,3 +65,20 @@ def test_settings_are_validated(overrides, message):
 
 def test_no_evaluation_needs_no_k():
     assert DemoSettings(pass_at_k_samples=0, pass_at_k=[128]).pass_at_k_samples == 0
+
+
+def test_the_pretrained_task_takes_the_recipes_rollouts_and_refuses_model_settings():
+    settings = DemoSettings(task="word_problems")
+    assert (settings.prompts_per_step, settings.num_generations, settings.max_completion_length) == (8, 4, 40)
+    assert (settings.temperature, settings.learning_rate, settings.warmup_steps) == (0.7, 5e-6, 0)
+    assert (settings.pass_at_k_samples, settings.pass_at_k) == (16, [1, 4, 16])
+    # the synthetic tasks keep the demo's own defaults
+    assert (DemoSettings().temperature, DemoSettings().num_generations, DemoSettings().pass_at_k) == (
+        1.0,
+        8,
+        [1, 4, 16, 64],
+    )
+    with pytest.raises(ValueError, match=r"trains the pretrained model as it is .* cannot take \{'hidden_size': 64\}"):
+        DemoSettings(task="word_problems", hidden_size=64)
+    with pytest.raises(ValueError, match="cannot take {'warm_start_steps': 10}"):
+        DemoSettings(task="word_problems", warm_start_steps=10)

@@ -2,6 +2,7 @@
 
 import pytest
 
+from opefo_trl.data.word_problems import word_problems
 from opefo_trl.demo.tasks import TASKS, held_out_split
 
 
@@ -19,6 +20,10 @@ def test_held_out_targets_never_reach_training(name):
     held_out = set(task.held_out_targets)
     assert held_out and len(task.train_targets) >= task.defaults["prompts_per_step"]
     assert set(task.train_dataset()["target"]) == set(task.train_targets)
+    if task.pretrained_model is not None:  # no warm start
+        with pytest.raises(ValueError, match="starts from the pretrained model"):
+            task.warm_start_answers(300, task.train_targets, 0)
+        return
     warm = task.warm_start_answers(300, task.train_targets, 0)
     assert {target for target, _ in warm} == set(task.train_targets)
     # each warm-start answer is an exact answer of its target
@@ -34,3 +39,18 @@ def test_exact_answers():
     assert digit_sum.exact_answer(answer + "0", 100) is None  # 25 digits
     assert digit_sum.exact_answer(answer[:-1] + "x0", 100) == tuple(map(int, answer))  # other characters ignored
     assert addition.exact_answer(" 3 + 5", 8) == (3, 5) and addition.exact_answer("3 + 4", 8) is None
+
+
+def test_word_problems_are_the_recipes_with_a_worked_example_and_the_strict_reward():
+    task = TASKS["word_problems"]
+    assert len(task.train_targets) == 64 and task.held_out_targets == list(range(2, 80, 5))
+    first = word_problems(1)[0]  # recipes/smollm2-135m-instruct/word_problems.jsonl's first problem
+    prompt = task.prompt(0)
+    assert [m["role"] for m in prompt] == ["user", "assistant", "user"] and prompt[-1]["content"] == first.question
+    assert prompt[1]["content"].endswith("Answer: 5")
+    row = task.train_dataset()[0]
+    assert (row["target"], row["solution"]) == (0, "10") and row["prompt"] == prompt
+    assert task.reward([[{"role": "assistant", "content": "5 + 5 = 10\nAnswer: 10"}]], solution=["10"]) == [1.0]
+    assert task.exact_answer("5 + 5 = 10\nAnswer: 10", 0) == 10
+    assert task.exact_answer("Answer: 5 + 5", 0) is None  # the strict reward: arithmetic left undone is not paid
+    assert task.exact_answer("Answer: 11", 0) is None

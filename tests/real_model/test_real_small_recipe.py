@@ -1,6 +1,6 @@
 """The small-model recipe recipes/smollm2-135m-instruct/opefo.yaml, as written except for the model folder (the local
 SmolLM2-135M-Instruct instead of the hub id) and a one-step run: `opefo-train` from the repository root, offline, on the
-recipe's own word problems, with its 40-token completions, strict reward and lambda* logged."""
+recipe's own word problems, with its worked_example prompt, 40-token completions, strict reward and lambda* logged."""
 
 import json
 import math
@@ -37,6 +37,9 @@ def test_small_model_recipe_trains_one_step_on_the_real_model(real_model_path, t
     assert step["completions/max_length"] <= recipe["max_completion_length"] == 40
     assert step["num_tokens"] > 0 and 0 <= step["reward"] <= 1
     assert "rewards/math_accuracy_reward/not_final" in step
+    # The worked_example prompt gives the first step something to learn (under qwen_math_boxed every reward was 0).
+    assert recipe["prompt_template"] == "worked_example"
+    assert step["reward"] > 0 and step["frac_reward_zero_std"] < 1
     assert -1 <= step["entropy_flow/lambda"] <= 1 and math.isfinite(step["entropy"])
     flows = step["entropy_flow/increase"] + step["entropy_flow/decrease"]
     assert abs(step["opefo/weighted_net"]) <= 1e-5 * flows + 1e-12
