@@ -22,7 +22,7 @@ export DS_BUILD_OPS := 0
 help:
 	@echo "make demo   - set up .venv, train GRPO / OPEFO / baselines on a synthetic task (3 seeds), write plots + table"
 	@echo "make demo-full - the README's comparison: 7 methods x 16 seeds x 2 floating-point settings (about 2 h on 2 cores)"
-	@echo "make demo-real - GRPO vs OPEFO on the pretrained SmolLM2-135M-Instruct, word problems, 2 seeds (about 40 min on 2 cores)"
+	@echo "make demo-real - GRPO vs OPEFO on the pretrained SmolLM2-135M-Instruct, word problems, 2 seeds (39 min on 2 cores)"
 	@echo "make test   - set up .venv and run the offline test suite (everything; what CI runs)"
 	@echo "make test-fast - the development loop: the suite without its slow tier, on two workers"
 	@echo "make test-latest - a fresh .venv-latest with the newest versions setup.cfg allows: fast tier + distributed tests"
