@@ -189,12 +189,12 @@ def scores_source(estimate: str, trl_scores: bool, reads_generation: bool, in_tr
     """
     if estimate == "param":
         return "the `param` estimate's own gradient passes over each micro-batch"
-    if in_training_forward:
-        return "the training forward (one micro-batch per rollout, no extra forward)"
     if trl_scores:
         return "TRL's own no-grad old-log-prob pass over the rollout (reused, no extra forward)"
     if reads_generation:
         return "generation's logits (read while TRL samples, no extra forward)"
+    if in_training_forward:
+        return "the training forward (one micro-batch per rollout, no extra forward)"
     return "a no-grad scoring pass of the trainer's over each micro-batch (one extra forward per micro-batch)"
 
 

@@ -149,16 +149,18 @@ class RolloutWeigher:
         self.num_iterations, self.trl_scores_rollout = num_iterations, trl_scores_rollout
         self.writes_gradient, self.generation = writes_gradient, generation
         self.pending = False  # a rollout batch was generated and awaits its weights (``prepare``)
-        # A rollout batch that is one micro-batch, trained on once, is weighed in its training forward: the same
-        # parameters, and TRL computes H_t there anyway, where its own old-log-prob pass would have to add it.
+        # Without TRL's pass, a rollout batch that is one micro-batch, trained on once, is weighed in its training
+        # forward (the same parameters): no forward of its own.
         self.defers_to_training_forward = (
-            loss.steps_per_generation == 1 and num_iterations == 1 and estimate in TABULAR_ESTIMATES
+            not trl_scores_rollout
+            and loss.steps_per_generation == 1
+            and num_iterations == 1
+            and estimate in TABULAR_ESTIMATES
         )
 
     def capture(self, ref_model: Any) -> RolloutCapture | None:
-        """What observes TRL's old-log-prob pass of the rollout about to be generated (None: TRL runs none, or the
-        rollout is weighed in its training forward)."""
-        if not self.trl_scores_rollout or self.defers_to_training_forward:
+        """What observes TRL's old-log-prob pass of the rollout about to be generated (None: TRL runs none)."""
+        if not self.trl_scores_rollout:
             return None
         return RolloutCapture(ref_model, self.scorer, needs_vocab_stats=self.estimate == "full")
 
@@ -213,7 +215,7 @@ class RolloutWeigher:
         ]
         captured = items[0].scores is not None
         if not captured:
-            if self.defers_to_training_forward:  # computed there: no forward of its own
+            if self.defers_to_training_forward:
                 (item,) = items
                 item.batch[STATE_KEY] = MicroBatchState(item.advantages, deferred=True)
                 return

@@ -2,7 +2,9 @@
 built."""
 
 import pytest
-from trainer_setup import logged, make_config, make_trainer
+from trainer_setup import logged, make_config, make_trainer, spy
+
+from opefo_trl.trainer.batch_state import STATE_KEY
 
 
 @pytest.mark.parametrize(
@@ -57,12 +59,12 @@ def test_the_run_says_once_where_lambda_stars_inputs_come_from_and_runs_no_pass_
     )  # no rollout pass: nothing to say
 
 
-def test_a_one_micro_batch_rollout_that_trl_scores_is_weighed_in_the_training_forward(
+def test_a_one_micro_batch_rollout_that_trl_scores_takes_lambda_star_from_trls_pass(
     tiny_model_path, tiny_dataset, length_reward, tmp_path
 ):
-    """vLLM with importance-sampling correction and one micro-batch per rollout: TRL's old-log-prob pass runs as
-    GRPOTrainer runs it (no entropy over the vocabulary, which costs as much as the log-probs), and lambda* comes from
-    the training forward, where TRL computes H_t anyway."""
+    """vLLM with importance-sampling correction and one micro-batch per rollout: lambda*'s log pi and H are TRL's own
+    old-log-prob pass (asked for the entropy, which TRL's fused head computes with the log-probs), and the weights
+    are set before the training forward; the trainer runs no pass of its own."""
     import inspect
     from unittest import mock
 
@@ -71,24 +73,30 @@ def test_a_one_micro_batch_rollout_that_trl_scores_is_weighed_in_the_training_fo
 
     from opefo_trl.testing import vllm_generation_emulated
 
-    trainer = make_trainer(
-        tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path, method="opefo", max_steps=1)
-    )
-    assert trainer.scores_source.startswith("the training forward")
+    args = make_config(tmp_path, method="opefo", max_steps=1, use_vllm=True, vllm_importance_sampling_correction=True)
+    args.use_vllm = False  # built without vLLM; the rollout below is vLLM's, emulated
+    trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
     scoring = GRPOTrainer._get_per_token_logps_and_entropies
-    calls = []
+    calls, own_passes, deferred = [], [], []
 
     def recorded(self, *args, **kwargs):
         bound = inspect.signature(scoring).bind(self, *args, **kwargs)
         calls.append((torch.is_grad_enabled(), bound.arguments.get("compute_entropy", False)))
         return scoring(self, *args, **kwargs)
 
+    spy(trainer.scorer, "score", lambda score, *a, **k: own_passes.append(1) or score(*a, **k))
+    spy(
+        trainer.micro_batches,
+        "loss_call",
+        lambda call, inputs: deferred.append(inputs[STATE_KEY].deferred) or call(inputs),
+    )
     with (
         vllm_generation_emulated(trainer),
         mock.patch.object(GRPOTrainer, "_get_per_token_logps_and_entropies", recorded),
     ):
         trainer.train()
-    assert calls == [(False, False), (True, True)]  # TRL's old-log-prob pass, then the training forward
+    assert calls == [(False, True), (True, True)]  # TRL's old-log-prob pass, then the training forward
+    assert own_passes == [] and deferred == [False]
     assert (
         len(logged(trainer, "entropy_flow/lambda")) == 1
         and len(logged(trainer, "sampling/importance_sampling_ratio/mean")) == 1
