@@ -2,7 +2,8 @@
 
 One optimizer step of `OPEFOTrainer` on a tiny local model (2 micro-batches of 4 completions), traced with
 ``sys.setprofile`` from the call of TRL's ``GRPOTrainer._prepare_inputs`` to the return of the first
-``OPEFOTrainer._compute_loss``: TRL generates the rollout inside that call and splits it, and the first micro-batch's
+``OPEFOTrainer.compute_loss``: TRL generates the rollout inside that call (where the trainer weighs it) and splits
+it, and the first micro-batch
 loss weighs it (the rollout pass) and reads the weights. Every call into a file of ``opefo_trl`` is counted
 (dataclass methods Python generates, such as ``__init__``, belong to no file and are not). Two configurations:
 
@@ -114,7 +115,7 @@ def trace(configuration: str) -> dict:
             if event == "return":
                 if state["off_path"] and state["off_path"][-1] is frame:
                     state["off_path"].pop()
-                state["done"] = (here, function) == ("trainer/trainer.py", "_compute_loss")
+                state["done"] = (here, function) == ("trainer/trainer.py", "compute_loss")
                 return
             if (here or ("trl" if "/trl/" in frame.f_code.co_filename else None), function) in OFF_PATH:
                 state["off_path"].append(frame)

@@ -36,7 +36,7 @@ TRL_HOOKS: dict[str, tuple[str, ...]] = {
         "batch_size",
         "compute_entropy",
     ),
-    "_compute_loss": ("model", "inputs"),
+    "compute_loss": ("model", "inputs", "return_outputs", "num_items_in_batch"),
     "create_optimizer": (),
     "train": ("resume_from_checkpoint",),
     "_save_checkpoint": ("model", "trial"),

@@ -32,7 +32,7 @@ def test_a_newer_trl_with_the_expected_hooks_imports_with_one_warning_naming_the
 
 
 class _ParameterInserted(GRPOTrainer):
-    def _compute_loss(self, model, loss_scale, inputs):  # a new parameter before the one OPEFO passes
+    def _generate_and_score_completions(self, loss_scale, inputs):  # a new parameter before the one OPEFO passes
         raise NotImplementedError
 
 
@@ -42,7 +42,7 @@ class _RequiredParameterAppended(GRPOTrainer):
 
 
 class _OptionalParameterAppended(GRPOTrainer):
-    def _compute_loss(self, model, inputs, loss_scale=1.0):  # calls still bind
+    def _generate_and_score_completions(self, inputs, loss_scale=1.0):  # calls still bind
         raise NotImplementedError
 
 
@@ -55,7 +55,7 @@ def test_a_newer_trl_whose_hook_changed_is_refused_naming_the_hook():
         check_trl_version("1.17.0", _ParameterInserted)
     message = str(err.value)
     assert "tested with TRL >=1.16.0,<1.17.0, and in the installed TRL 1.17.0" in message
-    assert "`_compute_loss` takes (model, loss_scale, inputs) where OPEFOTrainer expects (model, inputs" in message
+    assert "`_generate_and_score_completions` takes (loss_scale, inputs) where OPEFOTrainer expects (inputs" in message
     assert message.endswith("Install a tested TRL: `pip install 'trl>=1.16.0,<1.17.0'`.")
     with pytest.raises(ImportError, match=r"`_save_checkpoint` takes \(model, trial, step\) where"):
         check_trl_version("1.17.0", _RequiredParameterAppended)
@@ -74,7 +74,6 @@ def test_every_grpo_trainer_method_opefo_trainer_overrides_is_checked():
     assert {name for name in overridden if name.startswith("_") and not name.startswith("__")} == {
         "_generate_and_score_completions",
         "_get_per_token_logps_and_entropies",
-        "_compute_loss",
         "_save_checkpoint",
     }
 

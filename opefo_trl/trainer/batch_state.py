@@ -1,8 +1,10 @@
 """What the trainer keeps per micro-batch of TRL's, and the scores it is computed from (data only).
 
-TRL shuffles the rollout batch and splits it into the micro-batch dicts it trains on (``GRPOTrainer._prepare_inputs``);
-after the split the trainer adds ``STATE_KEY`` to each: the micro-batch's :class:`MicroBatchState`, written once per
-rollout and only read afterwards (TRL reuses the dicts when ``num_iterations > 1``). While a rollout batch is weighed,
+TRL shuffles the rollout batch and splits it into the micro-batch dicts it trains on (``GRPOTrainer._prepare_inputs``).
+Each micro-batch's :class:`MicroBatchState` is written once per rollout and only read afterwards (TRL reuses the dicts
+when ``num_iterations > 1``): a rollout weighed before the split carries it as per-row tensors
+(``token_weights.CARRIED_STATE_KEYS``), shuffled and split with the rest of TRL's dict; one weighed after the split
+holds it under ``STATE_KEY``. ``token_weights.micro_batch_state`` reads either. While a rollout batch is weighed,
 each of its micro-batches is one :class:`RolloutItem` (``token_weights.py``, the `param` estimate and its probes), from
 which the micro-batch's ``MicroBatchState`` is written. One scoring forward's statistics are :class:`Scores`.
 """

@@ -220,10 +220,18 @@ class LossMirror:
         mask = batch["completion_mask"]
         return mask * batch["tool_mask"] if "tool_mask" in batch else mask
 
-    def normaliser(self, mask: torch.Tensor, batch: dict) -> torch.Tensor:
-        """c with TRL's policy loss = sum_t per_token_loss_t * mask_t * c_t for the loss type (broadcasts to (B, T))."""
+    @property
+    def factor_is_per_sequence(self) -> bool:
+        """Whether a token's f_t is the same whichever of TRL's micro-batches it lands in (given their row count), so
+        that it can be computed before TRL's shuffle and split: every loss type but ``bnpo`` (normalised by the
+        micro-batch's token count), and no high-entropy mask (a quantile over the micro-batch's tokens)."""
+        return self.loss_type != "bnpo" and self.top_entropy_quantile >= 1.0
+
+    def normaliser(self, mask: torch.Tensor, batch: dict, rows: int | None = None) -> torch.Tensor:
+        """c with TRL's policy loss = sum_t per_token_loss_t * mask_t * c_t for the loss type (broadcasts to (B, T));
+        ``rows``: the rows of the micro-batch TRL's loss sees ``batch``'s tokens in (None: ``batch``'s own)."""
         accumulation = self.accumulation_steps()
-        batch_size = mask.size(0)
+        batch_size = mask.size(0) if rows is None else rows
         one = torch.ones((), device=mask.device)
         if self.loss_type in ("grpo", "sapo"):
             return 1.0 / (mask.sum(-1, keepdim=True).clamp(min=1.0) * batch_size * accumulation)
@@ -244,12 +252,24 @@ class LossMirror:
 
     @torch.no_grad()
     def factor(
-        self, batch: dict, logps: torch.Tensor, entropies: torch.Tensor, advantages: torch.Tensor
+        self,
+        batch: dict,
+        logps: torch.Tensor,
+        entropies: torch.Tensor,
+        advantages: torch.Tensor,
+        rows: int | None = None,
     ) -> torch.Tensor:
         """f_t of TRL's loss at the rollout's parameters, (B, T) fp32; ``advantages`` are the unweighted ones, (B,) or
-        (B, T) (the off-policy mask and VESPO's weights read their sign)."""
+        (B, T) (the off-policy mask and VESPO's weights read their sign). ``batch`` is a micro-batch of TRL's, or
+        (``rows``: the row count of TRL's micro-batches) a whole rollout before TRL splits it, which only a factor
+        that is the same in every micro-batch (``factor_is_per_sequence``) may be computed for."""
+        if rows is not None and not self.factor_is_per_sequence:
+            raise ValueError(
+                f"loss_type={self.loss_type!r}, top_entropy_quantile={self.top_entropy_quantile}: f_t depends on "
+                "TRL's split into micro-batches, so it is computed per micro-batch, after the split."
+            )
         mask = self.mask(batch).float()
-        factor = mask * self.normaliser(mask, batch) / self.num_processes
+        factor = mask * self.normaliser(mask, batch, rows) / self.num_processes
         advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
         old_logps = batch.get("old_per_token_logps")
         old_logps = logps if old_logps is None else old_logps

@@ -8,16 +8,24 @@ pass of the trainer's, or, for a rollout batch that is a single micro-batch, the
 per-token factor f_t of the loss TRL applies, and the flow; the method turns them into detached fp32 token weights
 (its sums reduced over ranks) and each micro-batch's ``advantages`` become ``advantages * weights``, (B, T). TRL
 accepts (B, T) advantages everywhere, and since the weights are >= 0 this is exactly the reweighted loss for every loss
-type. The log pi_t and H_t read while TRL generates travel in TRL's rollout dict (``CARRIED_KEYS``), shuffled and
-split into micro-batches with the rest of it, as TRL's own ``old_per_token_logps`` does.
+type.
 
-**The loss forward.** `GRPOTrainer._compute_loss` scores the micro-batch (`_get_per_token_logps_and_entropies`)
-*before* it reads ``inputs["advantages"]``, so a method's weights that depend on the training forward (a deferred
-rollout's, PAR's, Clip-Cov's) are written into the advantages inside that call (pinned by
-``test_trl_reads_the_advantages_after_the_scoring_call``). One :class:`LossCall` is one loss forward: it works on a
-copy of TRL's dict (TRL reuses buffered micro-batches when ``num_iterations > 1``); :class:`MicroBatchWeigher` applies
-the method there, adds its extra per-token loss aggregated like TRL's policy loss, sums the step's entropy-flow
-diagnostics, and at the optimizer step's end runs the method's controllers and logs.
+**When.** Where a token's f_t does not depend on which micro-batch it lands in (every loss type but ``bnpo``, no
+high-entropy mask; ``LossMirror.factor_is_per_sequence``) and the estimate is tabular, the rollout is weighed when
+TRL's ``_generate_and_score_completions`` returns it: its ``advantages`` become (B, T) there, and each row's state
+(unweighted advantages, f_t, u_t: ``CARRIED_STATE_KEYS``) rides along TRL's shuffle and split, as TRL's own
+``old_per_token_logps`` does. Otherwise (``bnpo``, the high-entropy mask, the `param` estimate) it is weighed at the
+first loss, over TRL's micro-batches (``RolloutWeigher.prepare``), and the log pi_t and H_t read while TRL generated
+travel there in TRL's dict (``CARRIED_KEYS``). A rollout of one micro-batch without TRL's pass is weighed inside its
+training forward (no forward of its own).
+
+**The loss forward.** TRL's loss (`GRPOTrainer.compute_loss`) scores the micro-batch
+(`_get_per_token_logps_and_entropies`) *before* it reads ``inputs["advantages"]``, so a method's weights that depend
+on the training forward (a deferred rollout's, PAR's, Clip-Cov's) are written into the advantages inside that call
+(pinned by ``test_trl_reads_the_advantages_after_the_scoring_call``). One :class:`LossCall` is one loss forward: it
+works on a copy of TRL's dict (TRL reuses buffered micro-batches when ``num_iterations > 1``);
+:class:`MicroBatchWeigher` applies the method there, adds its extra per-token loss aggregated like TRL's policy loss,
+sums the step's entropy-flow diagnostics, and at the optimizer step's end runs the method's controllers and logs.
 
 TRL's scoring calls inside the trainer's hooks reach this module directly: the hook in progress holds one
 :class:`ScoringObserver` (a :class:`RolloutCapture` while TRL generates, a :class:`LossCall` in the loss forward),
@@ -38,7 +46,13 @@ import torch
 from opefo_trl.maths.entropy_flow import TABULAR_ESTIMATES, FlowStats, flow_per_unit_advantage, flow_stats
 from opefo_trl.maths.ranks import ReduceSum
 from opefo_trl.methods import MethodContext, TokenBatch, TokenMethod, decide_rollout_weights
-from opefo_trl.trainer.batch_state import MULTIMODAL_KEYS, STATE_KEY, MicroBatchState, RolloutItem, Scores
+from opefo_trl.trainer.batch_state import (
+    MULTIMODAL_KEYS,
+    STATE_KEY,
+    MicroBatchState,
+    RolloutItem,
+    Scores,
+)
 from opefo_trl.trainer.loss_mirror import LossMirror, LossMirrorMismatch
 from opefo_trl.trainer.scoring import Scorer
 from opefo_trl.trainer.stand_ins import served_scores, write_gradient
@@ -48,8 +62,9 @@ if TYPE_CHECKING:  # the parts a weigher is handed (they import this module's da
     from opefo_trl.trainer.generation_stats import GenerationStats
     from opefo_trl.trainer.param_estimate import ParamEstimate
 
-#: The keys of TRL's rollout dict under which the rollout's captured log pi_t, H_t and `full` sums ride along TRL's
-#: shuffle and split into micro-batches (``Scores``'s fields in order; the sums only with the `full` estimate).
+#: The keys of TRL's rollout dict under which the rollout's captured log pi_t, H_t and `full` sums travel to its
+#: weighing, which takes them out: when TRL returns the rollout, or at its first loss, through TRL's shuffle and split
+#: (``Scores``'s fields in order; the sums only with the `full` estimate).
 CARRIED_KEYS = ("opefo_logps", "opefo_entropies", "opefo_sum_sq_probs", "opefo_sum_sq_probs_log_probs")
 
 #: TRL's scoring call of the hook in progress, with entropies: () -> (logps, entropies, aux_loss).
@@ -69,6 +84,35 @@ def carried_scores(batch: dict, pop: bool = False) -> Scores | None:
     if logps is None or entropies is None:
         return None
     return Scores(logps, entropies, sum_sq, sum_sq_log)
+
+
+#: The keys under which a rollout weighed before TRL's split carries its ``MicroBatchState`` (advantages, factor,
+#: unit flow; (B, T) each) through TRL's shuffle and split.
+CARRIED_STATE_KEYS = ("opefo_advantages", "opefo_factor", "opefo_unit_flow")
+
+
+def carry_state(batch: dict, state: MicroBatchState) -> None:
+    """Write a rollout's state into TRL's rollout dict before its shuffle and split (``CARRIED_STATE_KEYS``): only
+    per-row tensors travel there, so only a state made of them."""
+    if state.deferred or state.audit_entropies is not None or state.served is not None or state.gradient is not None:
+        raise ValueError("Only advantages, factor and unit flow travel through TRL's split; weigh after the split.")
+    batch.update(zip(CARRIED_STATE_KEYS, (state.advantages, state.factor, state.unit_flow), strict=True))
+
+
+def micro_batch_state(batch: dict, pop: bool = False) -> MicroBatchState | None:
+    """A micro-batch's state: under ``STATE_KEY`` (weighed after TRL's split) or carried (``CARRIED_STATE_KEYS``,
+    taken out with ``pop``); None when it has none.
+
+    >>> batch = {"completion_mask": torch.ones(2, 3)}
+    >>> carry_state(batch, MicroBatchState(torch.ones(2, 3), torch.full((2, 3), 0.5), torch.zeros(2, 3)))
+    >>> micro_batch_state(batch, pop=True).factor[0].tolist(), sorted(batch)
+    ([0.5, 0.5, 0.5], ['completion_mask'])
+    """
+    if STATE_KEY in batch:
+        return batch[STATE_KEY]
+    take = batch.pop if pop else batch.get
+    advantages, factor, unit_flow = (take(key, None) for key in CARRIED_STATE_KEYS)
+    return None if advantages is None else MicroBatchState(advantages, factor, unit_flow)
 
 
 class ScoringObserver(Protocol):
@@ -149,14 +193,24 @@ class RolloutWeigher:
         self.num_iterations, self.trl_scores_rollout = num_iterations, trl_scores_rollout
         self.writes_gradient, self.generation = writes_gradient, generation
         self.pending = False  # a rollout batch was generated and awaits its weights (``prepare``)
-        # Without TRL's pass, a rollout batch that is one micro-batch, trained on once, is weighed in its training
-        # forward (the same parameters): no forward of its own.
-        self.defers_to_training_forward = (
-            not trl_scores_rollout
-            and loss.steps_per_generation == 1
-            and num_iterations == 1
-            and estimate in TABULAR_ESTIMATES
+
+    @property
+    def defers_to_training_forward(self) -> bool:
+        """Without TRL's pass, a rollout batch that is one micro-batch, trained on once, is weighed in its training
+        forward (the same parameters): no forward of its own."""
+        return (
+            not self.trl_scores_rollout
+            and self.loss.steps_per_generation == 1
+            and self.num_iterations == 1
+            and self.estimate in TABULAR_ESTIMATES
         )
+
+    @property
+    def weighs_before_split(self) -> bool:
+        """Whether a rollout is weighed when TRL's ``_generate_and_score_completions`` returns, as (B, T) advantages
+        TRL then shuffles and splits: wherever a token's f_t does not depend on the split. Else it is weighed at the
+        first loss, over TRL's micro-batches (``prepare``)."""
+        return self.loss.factor_is_per_sequence and self.param is None and not self.defers_to_training_forward
 
     def capture(self, ref_model: Any) -> RolloutCapture | None:
         """What observes TRL's old-log-prob pass of the rollout about to be generated (None: TRL runs none)."""
@@ -170,7 +224,8 @@ class RolloutWeigher:
         return nullcontext() if self.generation is None else self.generation.recording(model())
 
     def generated(self, output: dict, capture: RolloutCapture | None) -> dict:
-        """TRL's rollout batch, carrying the log pi_t and H_t captured while it was generated (``CARRIED_KEYS``)."""
+        """TRL's rollout batch, weighed (``weighs_before_split``), or carrying the log pi_t and H_t captured while it
+        was generated (``CARRIED_KEYS``) to its weighing at the first loss (``prepare``)."""
         captured = None
         if capture is not None and capture.scores is not None:
             old_logps = output.get("old_per_token_logps")
@@ -185,7 +240,10 @@ class RolloutWeigher:
         if captured is not None:
             values = (captured.logps, captured.entropies, captured.sum_sq_probs, captured.sum_sq_probs_log_probs)
             output.update((key, value) for key, value in zip(CARRIED_KEYS, values, strict=True) if value is not None)
-        self.pending = True
+        if self.weighs_before_split:
+            self.weigh([output], split_into=self.loss.steps_per_generation)
+        else:
+            self.pending = True
         return output
 
     def prepare(self, batches: list[dict], first: dict) -> None:
@@ -201,10 +259,11 @@ class RolloutWeigher:
         self.pending = False
         self.weigh(batches)
 
-    def weigh(self, batches: list[dict]) -> None:
+    def weigh(self, batches: list[dict], split_into: int | None = None) -> None:
         """Factor, flow and weights of every micro-batch of a rollout batch, in place (each gets its
         ``MicroBatchState``), from the statistics the micro-batches carry (``CARRIED_KEYS``) or, without, a scoring
-        pass of the trainer's."""
+        pass of the trainer's. ``split_into``: ``batches`` is TRL's one rollout dict, which TRL will split into that
+        many micro-batches (the states then travel as tensors, ``carry_state``); None: TRL's micro-batches."""
         items = [
             RolloutItem(
                 batch,
@@ -237,7 +296,10 @@ class RolloutWeigher:
         elif not captured:
             for item in items:
                 item.scores = self.scorer.score(item.batch, vocab=self.estimate == "full").detached()
-        token_batches = [self._flow(item, None if flow is None else flow.alignment[i]) for i, item in enumerate(items)]
+        rows = None if split_into is None else len(items[0].advantages) // split_into
+        token_batches = [
+            self._flow(item, None if flow is None else flow.alignment[i], rows) for i, item in enumerate(items)
+        ]
         decided = decide_rollout_weights(self.method, _joined(token_batches), context)
         gradient = None if self.param is None else self.param.finish(decided, self.writes_gradient)
         weights = decided.weights
@@ -245,7 +307,7 @@ class RolloutWeigher:
         for i, (item, part) in enumerate(zip(items, parts, strict=True)):
             if part is not None:
                 item.batch["advantages"] = item.advantages * part
-            item.batch[STATE_KEY] = MicroBatchState(
+            state = MicroBatchState(
                 item.advantages,
                 item.factor,
                 item.unit_flow,
@@ -253,15 +315,20 @@ class RolloutWeigher:
                 served=None if gradient is None else item.scores,  # stand-ins for TRL's pass (stand_ins.py)
                 gradient=gradient if i == 0 else None,
             )
+            if split_into is None:
+                item.batch[STATE_KEY] = state
+            else:
+                carry_state(item.batch, state)
         if flow is not None:
             self.audit.keep_param_flow(flow)
 
-    def _flow(self, item: RolloutItem, alignment: torch.Tensor | None) -> TokenBatch:
-        """The micro-batch's f_t and u_t (kept on the item) and its TokenBatch with the flow d_t = A_t u_t."""
+    def _flow(self, item: RolloutItem, alignment: torch.Tensor | None, rows: int | None) -> TokenBatch:
+        """The micro-batch's f_t and u_t (kept on the item) and its TokenBatch with the flow d_t = A_t u_t (``rows``:
+        the rows of TRL's micro-batches when the item is the whole rollout)."""
         scores = item.scores
         assert scores is not None  # carried, from the `param` estimate or from the scoring pass above
         if item.factor is None:
-            item.factor = self.loss.factor(item.batch, scores.logps, scores.entropies, item.advantages)
+            item.factor = self.loss.factor(item.batch, scores.logps, scores.entropies, item.advantages, rows)
         item.unit_flow = flow_per_unit_advantage(
             scores.logps, scores.entropies, self.estimate, scores.sum_sq_probs, scores.sum_sq_probs_log_probs, alignment
         )
@@ -298,7 +365,7 @@ class LossCall:
     def __init__(self, weigher: MicroBatchWeigher, inputs: dict):
         self.weigher = weigher
         self.inputs = dict(inputs)
-        self.state: MicroBatchState | None = inputs.get(STATE_KEY)
+        self.state: MicroBatchState | None = micro_batch_state(self.inputs, pop=True)
         self.needs_vocab_stats = weigher.needs_vocab_stats(self.state)
         self.extra_loss: torch.Tensor | None = None
         self.factor_loss: torch.Tensor | None = None  # per token, already weighted by f_t (times the ranks)

@@ -2,11 +2,12 @@
 
 The trainer holds only `__init__` and TRL's hooks; each hook hands over to a part of this package:
 
-- `_generate_and_score_completions` (once per rollout batch, then at its first `_compute_loss`, once TRL has split
-  it into micro-batches): `token_weights.RolloutWeigher`, with `param_estimate.ParamEstimate` for the `param`
-  estimate; before the first generation, `checks.check_finite_policy` (the loaded weights hold no NaN or inf);
-- `_compute_loss` (every micro-batch): `token_weights.MicroBatchWeigher`, with `loss_mirror.LossMirror` (TRL's
-  per-token factor and loss aggregation);
+- `_generate_and_score_completions` (once per rollout batch): `token_weights.RolloutWeigher`, which sets the
+  rollout's (B, T) advantages there, before TRL's shuffle and split, or, where f_t depends on the split (`bnpo`, the
+  high-entropy mask, the `param` estimate with `param_estimate.ParamEstimate`), at the first `compute_loss` after it;
+  before the first generation, `checks.check_finite_policy` (the loaded weights hold no NaN or inf);
+- `compute_loss` (public; every micro-batch): `token_weights.MicroBatchWeigher`, with `loss_mirror.LossMirror` (TRL's
+  per-token factor and loss aggregation): the methods' loss-time terms, the diagnostics and the one-time guard;
 - `_get_per_token_logps_and_entropies` (every TRL scoring call): the scoring observer of the hook in progress, if any
   (TRL's old-log-prob pass over a new rollout: a `token_weights.RolloutCapture`; the loss forward: a
   `token_weights.LossCall`);
@@ -199,14 +200,14 @@ class OPEFOTrainer(GRPOTrainer):
         trl_score = partial(scoring, model, input_ids, attention_mask, logits_to_keep, batch_size, True, **kwargs)
         return observer.scored(trl_score, logits_to_keep)  # with entropies, which the observers read
 
-    def _compute_loss(self, model, inputs):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not self.model.training:
-            return super()._compute_loss(model, inputs)
-        if self.rollout is not None:  # the first loss of a rollout batch, which TRL has shuffled and split by now
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.rollout is not None:  # a rollout weighed after TRL's split is weighed at its first loss
             self.rollout.prepare(self._buffered_inputs, inputs)
         self._scoring_observer = call = self.micro_batches.loss_call(inputs)
         try:
-            loss = super()._compute_loss(model, call.inputs)
+            loss = super().compute_loss(model, call.inputs, return_outputs, num_items_in_batch)
         finally:
             self._scoring_observer = None
         loss = self.micro_batches.finish(call, loss)

@@ -66,7 +66,7 @@ def test_colocate_on_the_real_model_serves_the_policy_and_its_gap_moves_lambda_o
     initial = {name: p.detach().to(torch.bfloat16) for name, p in trainer.model.named_parameters() if name in names}
     rollouts: list[dict] = []
 
-    def weigh(original, batches):
+    def weigh(original, batches, **kwargs):
         # The engine that sampled this rollout, against the policy it was synced from (TRL syncs before generating).
         served = served_weights(trainer, names)
         policy = {name: p.detach() for name, p in trainer.model.named_parameters() if name in names}
@@ -84,7 +84,7 @@ def test_colocate_on_the_real_model_serves_the_policy_and_its_gap_moves_lambda_o
                 ratios=ratios,
             )
         )
-        return original(batches)
+        return original(batches, **kwargs)
 
     spy(trainer.rollout, "weigh", weigh)
     try:

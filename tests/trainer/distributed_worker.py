@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from opefo_trl import OPEFOConfig, OPEFOTrainer  # noqa: E402
 from opefo_trl.testing import keep_rms_norm_in_model_dtype  # noqa: E402
-from opefo_trl.trainer.batch_state import STATE_KEY  # noqa: E402
+from opefo_trl.trainer.token_weights import micro_batch_state  # noqa: E402
 
 MICRO_BATCH_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "num_items_in_batch")
 
@@ -66,12 +66,12 @@ def main(
     records, micro_batches = [], []
     weigh, rollout_weights = trainer.rollout.weigh, trainer.token_method.rollout_weights
 
-    def record_micro_batches(batches):
+    def record_micro_batches(batches, **kwargs):
         keep = (*MICRO_BATCH_KEYS, "advantages")
         micro_batches.append([{k: b[k].clone() for k in keep} for b in batches])
-        weigh(batches)
+        weigh(batches, **kwargs)
         for saved, batch in zip(micro_batches[-1], batches, strict=True):
-            state = batch[STATE_KEY]
+            state = micro_batch_state(batch)
             if not state.deferred:  # computed for the whole rollout (not deferred to the training forward)
                 saved["unit_flow"] = state.unit_flow
 

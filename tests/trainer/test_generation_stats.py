@@ -21,9 +21,9 @@ def _run(tiny_model_path, tiny_dataset, length_reward, tmp_path, from_generation
         trainer.rollout.generation = None  # the no-grad scoring pass instead
     rollouts = []
 
-    def record(weigh, batches):
+    def record(weigh, batches, **kwargs):
         rollouts.append(([dict(b) for b in batches], carried_scores(batches[0])))
-        weigh(batches)
+        weigh(batches, **kwargs)
 
     spy(trainer.rollout, "weigh", record)
     trainer.train()
@@ -52,7 +52,7 @@ def test_the_statistics_read_from_generation_are_the_scoring_passs(
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2
     captured = []
-    spy(trainer.rollout, "weigh", lambda weigh, batches: captured.append([dict(b) for b in batches]))
+    spy(trainer.rollout, "weigh", lambda weigh, batches, **_: captured.append([dict(b) for b in batches]))
     first_rollout(trainer)
     (batches,) = captured
     for batch in batches:
@@ -75,7 +75,7 @@ def test_the_full_estimates_vocabulary_sums_read_from_generation_are_the_scoring
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2
     captured = []
-    spy(trainer.rollout, "weigh", lambda weigh, batches: captured.append([dict(b) for b in batches]))
+    spy(trainer.rollout, "weigh", lambda weigh, batches, **_: captured.append([dict(b) for b in batches]))
     first_rollout(trainer)
     (batches,) = captured
     for batch in batches:
@@ -102,7 +102,7 @@ def test_generation_statistics_at_a_temperature_are_the_float64_softmax_of_the_s
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2
     captured = []
-    spy(trainer.rollout, "weigh", lambda weigh, batches: captured.append([dict(b) for b in batches]))
+    spy(trainer.rollout, "weigh", lambda weigh, batches, **_: captured.append([dict(b) for b in batches]))
     first_rollout(trainer)
     (batches,) = captured
     for batch in batches:

@@ -4,7 +4,7 @@ built."""
 import pytest
 from trainer_setup import logged, make_config, make_trainer, spy
 
-from opefo_trl.trainer.batch_state import STATE_KEY
+from opefo_trl.trainer.token_weights import micro_batch_state
 
 
 @pytest.mark.parametrize(
@@ -88,7 +88,7 @@ def test_a_one_micro_batch_rollout_that_trl_scores_takes_lambda_star_from_trls_p
     spy(
         trainer.micro_batches,
         "loss_call",
-        lambda call, inputs: deferred.append(inputs[STATE_KEY].deferred) or call(inputs),
+        lambda call, inputs: deferred.append(micro_batch_state(inputs).deferred) or call(inputs),
     )
     with (
         vllm_generation_emulated(trainer),

@@ -24,9 +24,9 @@ def record_expected_lambdas(trainer, record):
     """Append to ``record`` each rollout's lambda* from the trainer's own scoring: before OPEFO weighs the rollout
     (``rollout.weigh``), or, for a baseline with diagnostics, at its one micro-batch's loss (``compute_loss``)."""
 
-    def weigh(original, batches):
+    def weigh(original, batches, **kwargs):
         record.append(lambda_from_scoring(trainer, batches))
-        return original(batches)
+        return original(batches, **kwargs)
 
     def compute_loss(original, model, inputs, *args, **kwargs):
         record.append(lambda_from_scoring(trainer, [inputs]))
