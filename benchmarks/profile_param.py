@@ -6,7 +6,7 @@ cumulative time of the function that runs it:
 - ``generation``: TRL's sampling (``GRPOTrainer._generate``);
 - ``param: gradient passes``: grad Hbar and the loss gradient a, a float32 forward with two backwards
   (``ParamFlowEstimator.add_batch``);
-- ``param: forward-mode u_t``: the forward-mode pass (``maths.param_jvp.completion_jvp``);
+- ``param: forward-mode u_t``: the forward-mode pass (``experimental.param_jvp.completion_jvp``);
 - ``param: scoring``: the estimate's own log pi and H in the parameters' precision (``Scorer.score_full_precision``);
 - ``param: direction``: the update direction D grad Hbar (``ParamFlowEstimator.direction``);
 - ``TRL loss forward`` and ``TRL backward``: the training pass GRPO runs too.
@@ -28,10 +28,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 #: Phase name -> (file name ends with, function name) of the function whose cumulative time is the phase's.
 PHASES = {
     "generation": ("trl/trainer/grpo_trainer.py", "_generate"),
-    "param: gradient passes": ("opefo_trl/maths/param_flow.py", "add_batch"),
-    "param: forward-mode u_t": ("opefo_trl/maths/param_jvp.py", "completion_jvp"),
+    "param: gradient passes": ("opefo_trl/experimental/param_flow.py", "add_batch"),
+    "param: forward-mode u_t": ("opefo_trl/experimental/param_jvp.py", "completion_jvp"),
     "param: scoring": ("opefo_trl/trainer/scoring.py", "score_full_precision"),
-    "param: direction": ("opefo_trl/maths/param_flow.py", "direction"),
+    "param: direction": ("opefo_trl/experimental/param_flow.py", "direction"),
     "TRL loss forward": ("trl/trainer/grpo_trainer.py", "_compute_loss"),
     "TRL backward": ("accelerate/accelerator.py", "backward"),
 }

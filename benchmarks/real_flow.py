@@ -5,7 +5,7 @@ OPEFOTrainer trains strict on-policy GRPO (``method="grpo"``, so no estimate rew
 with ``entropy_flow_estimate="param"`` on arithmetic problems ("What is 7 plus 5?": one-digit sums in the wording
 of `benchmarks/arith20`, or ``--problems arith20`` itself), answered "The answer is N." and scored by
 ``math_accuracy_reward``. Every rollout batch is scored once by the `param` estimate's own path
-(`opefo_trl.trainer.param_estimate`: log pi_t, H_t in float32 and u_t = <D grad Hbar, grad log pi_t>) and once by
+(`opefo_trl.experimental.param_estimate`: log pi_t, H_t in float32 and u_t = <D grad Hbar, grad log pi_t>) and once by
 TRL's scoring pass with the vocabulary sums of `full` (sum pi^2, sum pi^2 log pi). Each tabular estimate's flow
 (`opefo`, `onaction`, `sign`, `full`) is then ``flow_per_unit_advantage`` of the same log pi_t and H_t (the two
 vocabulary sums from the second pass; its log pi_t's largest difference from the first is reported), with the same

@@ -16,8 +16,9 @@ Reported per configuration: ``modules``, every package module a call entered; ``
 calls made under the reward computation (TRL's ``_calculate_rewards``: the reward functions and their check, upstream
 of the advantages, the same for every method, and the check's start and verdict), the audit's bookkeeping
 (``EntropyAudit.keep_batch``) and the one-time check of the loaded weights (``check_finite_policy``);
-``entries``, the calls into each module from another file; ``maths_callbacks``, calls from ``opefo_trl/maths/`` into
-another package folder (caller -> callee: count).
+``entries``, the calls into each module from another file; ``maths_callbacks``, calls from the package's maths
+(``MATHS``: ``opefo_trl/maths/`` and the parameter-space maths of ``opefo_trl/experimental/``) into another module of
+the package (caller -> callee: count).
 
     python benchmarks/weight_path.py [recipes|param ...] [--json FILE]
 """
@@ -39,10 +40,18 @@ OFF_PATH = {
     ("trl", "_calculate_rewards"),  # TRL's: the reward functions, checked (``checks.RewardCheck``)
     ("trainer/checks.py", "start"),  # the reward check's, per rollout
     ("trainer/trainer.py", "_raise_if_a_reward_failed"),
-    ("trainer/audit.py", "keep_batch"),
+    ("experimental/entropy_audit.py", "keep_batch"),
     ("trainer/checks.py", "check_finite_policy"),  # once, before the first generation
     ("trainer/parts.py", "core_model"),  # names the model for that check's message
 }
+#: The package's maths, torch only and given tensors: files inside the package, or folders ending in "/".
+MATHS = (
+    "maths/",
+    "experimental/optimizer.py",
+    "experimental/param_flow.py",
+    "experimental/param_jvp.py",
+    "experimental/step_model.py",
+)
 CONFIGURATIONS = {
     "recipes": dict(entropy_flow_estimate="opefo"),
     "param": dict(entropy_flow_estimate="param", opefo_balance="step", entropy_flow_preconditioner="adam"),
@@ -127,7 +136,7 @@ def trace(configuration: str) -> dict:
             caller = name(frame.f_back.f_code.co_filename) if frame.f_back else None
             if caller != here:
                 entries[here] += 1
-            if caller and caller.startswith("maths/") and not here.startswith("maths/"):
+            if caller and caller.startswith(MATHS) and not here.startswith(MATHS):
                 callbacks[f"{caller}:{frame.f_back.f_code.co_name} -> {here}:{function}"] += 1
 
         with vllm_generation_emulated(trainer):
@@ -155,7 +164,7 @@ def main() -> None:
         print(
             f"{result['configuration']}: {len(result['modules'])} modules entered, "
             f"{len(result['weight_path'])} on the weight's path: {', '.join(result['weight_path'])}; entries "
-            f"{result['entries']}; maths/ calling other folders: {result['maths_callbacks'] or 'none'}"
+            f"{result['entries']}; the maths calling other modules: {result['maths_callbacks'] or 'none'}"
         )
     if options.json:
         with open(options.json, "w") as f:

@@ -263,9 +263,9 @@ def prepare_inputs(script_args, training_args, model_args) -> tuple:
     from trl import get_peft_config
 
     from opefo_trl.data.train_dataset import load_tokenizer, load_train_dataset, split_probe
+    from opefo_trl.experimental.fixed_probe import check_probe_dataset
     from opefo_trl.methods import get_token_method_class
     from opefo_trl.trainer.checks import check_dropout, check_trains_some_steps, check_vllm_setup
-    from opefo_trl.trainer.probe import check_probe_dataset
 
     check_context_length(script_args, training_args, model_args)
     tokenizer = load_tokenizer(model_args, training_args)

@@ -42,11 +42,11 @@ import torch
 
 #: Estimates from the softmax of one position (need log pi_t and H_t; `full` also two vocabulary sums).
 TABULAR_ESTIMATES = ("opefo", "onaction", "sign", "full")
-#: Every estimate; `param` needs the network (opefo_trl.maths.param_flow computes its u_t).
+#: Every estimate; `param` needs the network (opefo_trl.experimental.param_flow computes its u_t).
 FLOW_ESTIMATES = (*TABULAR_ESTIMATES, "param")
 SIDES = ("both", "increase_only", "decrease_only")
 #: What OPEFO's lambda balances: this batch's first-order flow (the paper's) or the real next optimizer step's
-#: first-order entropy change (``opefo_trl.maths.step_model.StepModel``).
+#: first-order entropy change (``opefo_trl.experimental.step_model.StepModel``).
 BALANCES = ("batch", "step")
 
 
@@ -98,7 +98,7 @@ def flow_per_unit_advantage(
     if estimate == "param":
         if entropy_alignment is None:
             raise ValueError(
-                "The `param` entropy-flow estimate needs entropy_alignment (see opefo_trl.maths.param_flow)."
+                "The `param` entropy-flow estimate needs entropy_alignment (see opefo_trl.experimental.param_flow)."
             )
         return entropy_alignment.detach().float().expand_as(logps)
     entropies = entropies.detach().float()

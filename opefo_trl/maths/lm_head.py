@@ -1,11 +1,11 @@
 """log pi_t and H_t of the sampled tokens from final hidden states and the LM head, differentiable and chunked.
 
-Pure torch, no TRL import. The `param` estimate differentiates log pi_t and H_t with respect to the parameters in
-their own precision: a float64 model's gradients must not pass through a float32 head (TRL's fused head computes in
-float32 even for float64 weights, which made the float64 references float32 ones). The logits are transformed as the
-sampling policy's, z = softcap(s (h W^T + b)) / T (``opefo_trl.maths.param_jvp``), and produced a chunk of tokens at a
-time under activation checkpointing, so neither the forward nor the backward holds more than one [chunk, vocab]
-block of logits.
+Pure torch, no TRL import. The `param` estimate differentiates log pi_t and H_t with respect to the parameters in their
+own precision: a float64 model's gradients must not pass through a float32 head (TRL's fused head computes in float32
+even for float64 weights, which made the float64 references float32 ones). The logits are transformed as the sampling
+policy's, z = softcap(s (h W^T + b)) / T (``opefo_trl.experimental.param_jvp``), and produced a chunk of tokens at a
+time under activation checkpointing, so neither the forward nor the backward holds more than one [chunk, vocab] block of
+logits.
 
 Example:
     >>> import torch
@@ -30,7 +30,7 @@ With ``entropy_tokens`` (a set of token ids) it also returns the entropy of the 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -108,3 +108,9 @@ def policy_log_probs(
         parts.append(checkpoint(chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else chunk(*args))
     joined = [torch.cat(column).reshape(targets.shape) for column in zip(*parts, strict=True)]
     return PolicyScores(joined[0], joined[1], joined[2] if entropy_tokens is not None else None)
+
+
+def core_model(model: Any) -> Any:
+    """The causal LM carrying the LM head: a PEFT model's base model, else the (unwrapped) model itself."""
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model

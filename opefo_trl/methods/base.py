@@ -14,7 +14,7 @@ Pure torch, no TRL import. A method is one class, registered by name with ``@reg
 - ``rollout_weights(batch, context)``: what the method decided for the rollout batch, a ``RolloutWeights``: detached
   (B, T) weights multiplied into the advantages (or none), and, when they are 1 + lambda * s_t, ``lam`` and the signs
   s_t. Consumers read these fields and infer nothing: with ``lam`` and the signs of the step model the method built,
-  the trainer writes the step's gradient itself (``opefo_trl.trainer.stand_ins``); without, TRL's pass computes it.
+  the trainer writes the step's gradient itself (``opefo_trl.experimental.stand_ins``); without, TRL's pass computes it.
 - ``micro_batch_terms(batch, logps, context)``: on every micro-batch inside the loss, with the current log-probs
   ``logps`` still attached to the graph: ``TokenTerms`` (advantage weights and/or an extra per-token loss, which the
   trainer aggregates exactly like TRL's policy loss).
@@ -39,7 +39,7 @@ import torch
 from opefo_trl.maths.ranks import ReduceSum, single_process_sum
 
 #: F(lambda): the first-order change of the mean token entropy the real next optimizer step makes when the rollout's
-#: tokens are weighted 1 + lambda * s_t (``opefo_trl.maths.step_model.StepModel.change``).
+#: tokens are weighted 1 + lambda * s_t (``opefo_trl.experimental.step_model.StepModel.change``).
 StepChange = Callable[[float], float]
 
 

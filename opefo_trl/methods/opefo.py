@@ -1,8 +1,9 @@
 """OPEFO, as in the paper: rescale the entropy-increasing and entropy-decreasing tokens by 1 +/- lambda so that the
 batch's net first-order entropy flow is zero (docs/algorithm.md section 3).
 
-This library's extensions live beside it: the step balance and entropy setpoint (``opefo_step``: lambda zeroes, or
-sets, the real next AdamW step's first-order entropy change, section 4) and the regime watch (``opefo_regime``).
+This library's extensions: the step balance and entropy setpoint (``opefo_trl.experimental.opefo_step``: lambda
+zeroes, or sets, the real next AdamW step's first-order entropy change, section 4) and, beside it, the regime watch
+(``opefo_regime``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 import torch
 
+from opefo_trl.experimental.opefo_step import StepBalance, StepBalanceSettings, check_step_config
 from opefo_trl.maths.entropy_flow import SIDES, FlowStats, check_choice, flow_stats, weight_signs
 from opefo_trl.methods.base import (
     SINGLE_PROCESS,
@@ -25,7 +27,6 @@ from opefo_trl.methods.base import (
     setting,
 )
 from opefo_trl.methods.opefo_regime import RegimeSettings, RegimeWatch
-from opefo_trl.methods.opefo_step import StepBalance, StepBalanceSettings, check_step_config
 
 
 @dataclass
@@ -44,15 +45,15 @@ class PaperSettings:
 class OPEFO(TokenMethod):
     """On-Policy Entropy Flow Optimization: rescale S+ / S- by 1 +/- lambda* so the batch's net entropy flow is 0.
 
-    The flow d_t comes with the batch (the trainer computes it with ``entropy_flow_estimate``) and every sum is
-    weighted by the batch's ``factor``, so lambda* balances the update the loss really applies. With
-    ``opefo_balance="step"`` lambda is instead the root of the context's ``step_change`` on [-1, 1] (``opefo_step``).
+    The flow d_t comes with the batch (the trainer computes it with ``entropy_flow_estimate``) and every sum is weighted
+    by the batch's ``factor``, so lambda* balances the update the loss really applies. With ``opefo_balance="step"``
+    lambda is instead the root of the context's ``step_change`` on [-1, 1] (``experimental.opefo_step``).
     """
 
     @dataclass
     class Settings(RegimeSettings, StepBalanceSettings, PaperSettings):
-        """Options of ``method="opefo"``: the paper's, the step balance's (``opefo_step``), the regime watch's
-        (``opefo_regime``)."""
+        """Options of ``method="opefo"``: the paper's, the step balance's (``experimental.opefo_step``), the regime
+        watch's (``opefo_regime``)."""
 
         def __post_init__(self):
             check_choice("opefo_sides", self.opefo_sides, SIDES)

@@ -24,8 +24,8 @@ from accelerate.utils import is_peft_model
 from trl import GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
+from opefo_trl.experimental.param_jvp import SUPPORTED_ATTENTION
 from opefo_trl.maths.entropy_flow import TABULAR_ESTIMATES
-from opefo_trl.maths.param_jvp import SUPPORTED_ATTENTION
 from opefo_trl.trainer.config import check_estimate_backend
 
 TRL_FUSED_HEAD_OUTPUTS = ("log_probs", "entropy")  # what GRPOTrainer (TRL 1.16) adds its fused head with

@@ -16,18 +16,18 @@ import torch
 from accelerate.utils import reduce
 from trl import GRPOTrainer
 
+from opefo_trl.experimental.entropy_audit import EntropyAudit
+from opefo_trl.experimental.fixed_probe import FixedProbe
+from opefo_trl.experimental.param_estimate import ParamEstimate
 from opefo_trl.maths.entropy_flow import TABULAR_ESTIMATES
-from opefo_trl.maths.param_jvp import core_model
+from opefo_trl.maths.lm_head import core_model
 from opefo_trl.maths.ranks import ReduceSum
 from opefo_trl.methods import TokenMethod
 from opefo_trl.trainer import model_setup
-from opefo_trl.trainer.audit import EntropyAudit
 from opefo_trl.trainer.checks import RewardCheck
 from opefo_trl.trainer.config import uses_loss_factor
 from opefo_trl.trainer.generation_stats import GenerationStats
 from opefo_trl.trainer.loss_mirror import LossMirror, trl_scores_rollout
-from opefo_trl.trainer.param_estimate import ParamEstimate
-from opefo_trl.trainer.probe import FixedProbe
 from opefo_trl.trainer.scoring import Scorer
 from opefo_trl.trainer.token_weights import MicroBatchWeigher, RolloutWeigher
 

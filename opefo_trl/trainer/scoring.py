@@ -28,8 +28,8 @@ import torch
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
-from opefo_trl.maths.lm_head import policy_log_probs
-from opefo_trl.maths.param_jvp import completion_jvp, core_model, named_tangents
+from opefo_trl.experimental.param_jvp import completion_jvp, named_tangents
+from opefo_trl.maths.lm_head import core_model, policy_log_probs
 from opefo_trl.maths.vocab_stats import vocab_stats
 from opefo_trl.trainer.batch_state import Scores
 
@@ -140,7 +140,7 @@ class Scorer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """u_t and dH_t: the derivatives of log pi_t and of the measured entropy (``Scores.measured_entropies``) along
         ``direction`` (one tensor per parameter of ``params``), by forward-mode AD with float64 head maths
-        (`opefo_trl.maths.param_jvp.completion_jvp`). The pass runs in eval mode (no dropout; no gradient
+        (`opefo_trl.experimental.param_jvp.completion_jvp`). The pass runs in eval mode (no dropout; no gradient
         checkpointing, which drops forward-mode tangents): a no-grad pass stores no activations, so nothing is lost."""
         input_ids, attention_mask, length = sequence(batch)
         model = self.unwrap(self.model())

@@ -29,7 +29,7 @@ sums the step's entropy-flow diagnostics, and at the optimizer step's end runs t
 
 TRL's scoring calls inside the trainer's hooks reach this module directly: the hook in progress holds one
 :class:`ScoringObserver` (a :class:`RolloutCapture` while TRL generates, a :class:`LossCall` in the loss forward),
-which runs (or, with the step balance, serves: ``opefo_trl.trainer.stand_ins``) the call and sees its result.
+which runs (or, with the step balance, serves: ``opefo_trl.experimental.stand_ins``) the call and sees its result.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
+from opefo_trl.experimental.stand_ins import served_scores, write_gradient
 from opefo_trl.maths.entropy_flow import TABULAR_ESTIMATES, FlowStats, flow_per_unit_advantage, flow_stats
 from opefo_trl.maths.ranks import ReduceSum
 from opefo_trl.methods import MethodContext, TokenBatch, TokenMethod, decide_rollout_weights
@@ -55,12 +56,11 @@ from opefo_trl.trainer.batch_state import (
 )
 from opefo_trl.trainer.loss_mirror import LossMirror, LossMirrorMismatch
 from opefo_trl.trainer.scoring import Scorer
-from opefo_trl.trainer.stand_ins import served_scores, write_gradient
 
 if TYPE_CHECKING:  # the parts a weigher is handed (they import this module's data, not the weighers)
-    from opefo_trl.trainer.audit import EntropyAudit
+    from opefo_trl.experimental.entropy_audit import EntropyAudit
+    from opefo_trl.experimental.param_estimate import ParamEstimate
     from opefo_trl.trainer.generation_stats import GenerationStats
-    from opefo_trl.trainer.param_estimate import ParamEstimate
 
 #: The keys of TRL's rollout dict under which the rollout's captured log pi_t, H_t and `full` sums travel to its
 #: weighing, which takes them out: when TRL returns the rollout, or at its first loss, through TRL's shuffle and split
@@ -169,7 +169,7 @@ class RolloutWeigher:
         method adds no micro-batch terms: where the method declares its weights 1 + lambda * s_t with the signs of the
         step model it built (``RolloutWeights``), the rollout pass has the gradient TRL's training pass would compute,
         a + lambda b, and TRL's pass is skipped (the loss is computed from the estimate's scores, so TRL's metrics
-        are still logged; ``opefo_trl.trainer.stand_ins``).
+        are still logged; ``opefo_trl.experimental.stand_ins``).
     generation: reads log pi_t and H_t from the logits of generation (``GenerationStats``), where they would
         otherwise take a scoring pass of their own.
     """
@@ -394,7 +394,8 @@ class MicroBatchWeigher:
     rollout_flow: the rollout pass computes factor and flow (then the loss reads them from the micro-batch's state).
     loss: TRL's loss factor and aggregation; ``scorer``: the `full` estimate's vocabulary pass over the forward.
     reduce_sum: sums a tensor over ranks; ``log_metrics``: where metrics go; ``main_process``: warnings go there.
-    params: the trainable parameters, whose ``.grad`` a rollout's written gradient goes into (``stand_ins``).
+    params: the trainable parameters, whose ``.grad`` a rollout's written gradient goes into
+        (``experimental.stand_ins``).
     task_tokens: ``entropy_flow_task_tokens``: the diagnostics also log the shares of the flow sampled outside them.
     check_mirror: the factor is used (flows, weights): the first micro-batch's TRL loss is checked against it once
         (``LossMirror.check_against_trl``).

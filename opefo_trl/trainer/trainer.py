@@ -47,6 +47,7 @@ check_installed_trl()
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.trainer.utils import get_config_model_id  # noqa: E402
 
+from opefo_trl.experimental.fixed_probe import check_probe_dataset  # noqa: E402
 from opefo_trl.methods import TokenMethod, get_token_method_class  # noqa: E402
 from opefo_trl.runs import (  # noqa: E402
     check_resume_options,
@@ -64,7 +65,6 @@ from opefo_trl.trainer.checks import (  # noqa: E402
 )
 from opefo_trl.trainer.config import OPEFOConfig, with_opefo_settings  # noqa: E402
 from opefo_trl.trainer.parts import TrainerAccess, build_parts  # noqa: E402
-from opefo_trl.trainer.probe import check_probe_dataset  # noqa: E402
 from opefo_trl.trainer.sampler import EpochSeededOrder  # noqa: E402
 from opefo_trl.trainer.token_weights import ScoringObserver  # noqa: E402
 
@@ -87,7 +87,7 @@ class OPEFOTrainer(GRPOTrainer):
     Takes exactly `GRPOTrainer`'s arguments (`reward_funcs` optional with an `environment_factory` that owns the
     reward; `args=None`: `GRPOConfig`'s defaults in `<model>-GRPO`, as `GRPOTrainer` names it), and `probe_dataset`: a
     data set of prompts (a `prompt` column, as `train_dataset`) never trained on, whose completions, sampled once at
-    the start, the `param` flow measures the entropy of too (`opefo_trl.trainer.probe`), and `run_inputs`: what the
+    the start, the `param` flow measures the entropy of too (`experimental.fixed_probe`), and `run_inputs`: what the
     run trains on, as `opefo_trl.runs.training_inputs` gives it (`opefo-train` does), recorded in every checkpoint and
     refused on resume when it differs (None: not recorded, not compared). `args` is an
     [`OPEFOConfig`], or a `GRPOConfig` (or subclass), which is kept as it is (same object, class and fields) and given

@@ -32,14 +32,16 @@ def test_the_recipes_token_weight_passes_through_six_modules():
         "trainer/token_weights.py",
         "trainer/trainer.py",
     ]
-    assert {"trainer/checks.py", "trainer/audit.py"} <= set(trace["modules"])  # entered, off the path
+    assert {"trainer/checks.py", "experimental/entropy_audit.py"} <= set(trace["modules"])  # entered, off the path
     assert trace["maths_callbacks"] == {}
 
 
 def test_the_param_estimates_maths_calls_nothing_back_in_the_trainer():
-    """With `param` and the step balance, maths/ takes tensors from the trainer and calls back only the root finder's
-    function (methods/opefo_step.py's F(lambda) - target)."""
+    """With `param` and the step balance, the maths takes tensors from the trainer and calls back only the root
+    finder's function (experimental/opefo_step.py's F(lambda) - target)."""
     trace = weight_path.trace("param")
-    assert {"maths/param_flow.py", "maths/step_model.py", "trainer/param_estimate.py"} <= set(trace["modules"])
+    assert {"experimental/param_flow.py", "experimental/step_model.py", "experimental/param_estimate.py"} <= set(
+        trace["modules"]
+    )
     callees = {call.split(" -> ")[1].split(":")[0] for call in trace["maths_callbacks"]}
-    assert callees == {"methods/opefo_step.py"}, trace["maths_callbacks"]
+    assert callees == {"experimental/opefo_step.py"}, trace["maths_callbacks"]

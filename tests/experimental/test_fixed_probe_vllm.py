@@ -1,13 +1,17 @@
 """The fixed probe drawn by vLLM's colocate engine (vLLM's CPU build; `make test-vllm`): it follows from `seed`."""
 
+import sys
 from contextlib import nullcontext
+from pathlib import Path
 
 import pytest
-from test_trainer_vllm import vllm_settings
-from trainer_setup import make_trainer, release_vllm
 
 from opefo_trl import OPEFOConfig
 from opefo_trl.trainer.parts import fixed_probe
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))  # trainer_setup, test_trainer_vllm
+from test_trainer_vllm import vllm_settings  # noqa: E402
+from trainer_setup import make_trainer, release_vllm  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -1,5 +1,5 @@
 """The `param` estimate over a rollout batch's micro-batches, and the step model it offers a method
-(`opefo_trl.maths.param_flow`, `opefo_trl.maths.step_model`).
+(`opefo_trl.experimental.param_flow`, `opefo_trl.experimental.step_model`).
 
 The estimator (pure maths) is given tensors; ``ParamEstimate`` runs the passes over the micro-batches and hands it
 what they return: the trainer's scoring forwards in full precision on the unwrapped model (no DDP hooks: the
@@ -10,7 +10,7 @@ is built only when a method asks for it (OPEFO's step balance).
 With ``probe_rollouts`` K > 1 (``entropy_flow_probe_rollouts``), the entropy the flow is measured on is that of this
 rollout batch and the K - 1 before it, re-scored under the current parameters: the estimate keeps those earlier
 micro-batches (their token ids and masks, on the device) and hands them to the estimator as its probe, after the
-micro-batches of a fixed probe if there is one (``opefo_trl.trainer.probe``).
+micro-batches of a fixed probe if there is one (``opefo_trl.experimental.fixed_probe``).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from opefo_trl.maths.optimizer import check_optimizer
-from opefo_trl.maths.param_flow import ParamFlow, ParamFlowEstimator, imprecision, token_count
+from opefo_trl.experimental.optimizer import check_optimizer
+from opefo_trl.experimental.param_flow import ParamFlow, ParamFlowEstimator, imprecision, token_count
+from opefo_trl.experimental.step_model import StepModel
 from opefo_trl.maths.ranks import ReduceSum
-from opefo_trl.maths.step_model import StepModel
 from opefo_trl.methods import RolloutWeights, StepChange
 from opefo_trl.trainer.batch_state import RolloutItem, Scores
 from opefo_trl.trainer.loss_mirror import LossMirror
@@ -46,7 +46,7 @@ class ParamEstimate:
         log_metrics: where ``entropy_flow/param_check_error`` and ``param_lambda_error`` go.
         main_process: warnings are issued there only.
         probe_rollouts: the rollout batches (this one included) whose mean token entropy the flow is measured on.
-        fixed_probe: the micro-batches of a fixed probe (``probe.FixedProbe.batches``), measured too.
+        fixed_probe: the micro-batches of a fixed probe (``fixed_probe.FixedProbe.batches``), measured too.
     """
 
     def __init__(
@@ -104,8 +104,8 @@ class ParamEstimate:
     def _flow(
         self, estimator: ParamFlowEstimator, items: Sequence[RolloutItem], masks: Sequence[torch.Tensor]
     ) -> ParamFlow:
-        """Feeds the estimator its two stages (``opefo_trl.maths.param_flow``): the scoring forwards of the items and
-        of the probe, then their forward-mode passes along the direction."""
+        """Feeds the estimator its two stages (``opefo_trl.experimental.param_flow``): the scoring forwards of the items
+        and of the probe, then their forward-mode passes along the direction."""
         with torch.enable_grad():
             for item, mask in zip(items, masks, strict=True):
                 logps, entropies = self._score(item)
@@ -182,7 +182,7 @@ class ParamEstimate:
         will apply with the weights the method decided, g = a + lambda b, when it declares them 1 + lambda * s_t
         (``decided.lam``) with the signs s_t of the step model it built; None when it built none or declared weights
         of another form (TRL's training pass then computes the gradient). On-policy, with a loss linear in the token
-        weights, this is the gradient TRL's pass would compute (``opefo_trl.trainer.stand_ins``); it is formed in
+        weights, this is the gradient TRL's pass would compute (``opefo_trl.experimental.stand_ins``); it is formed in
         place of a."""
         step, self._step = self._step, None
         if step is None or not gradient or decided.lam is None:

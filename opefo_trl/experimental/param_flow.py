@@ -9,9 +9,9 @@ optimizer's diagonal preconditioner), to first order
     delta Hbar = eta sum_t c_t w_t u_t,    u_t = <D grad_theta Hbar, grad_theta log pi_t>.
 
 ``ParamFlowEstimator`` computes grad Hbar and the loss gradient a = -sum_t c_t grad log pi_t by backward passes, and
-takes u_t for every token at once as the Jacobian-vector product of theta -> (log pi_t)_t in the direction
-v = D grad Hbar, by forward-mode AD (``opefo_trl.maths.param_jvp.completion_jvp`` for a transformers model). It is
-given tensors only: whoever holds the model (``opefo_trl.trainer.param_estimate.ParamEstimate``) runs the scoring
+takes u_t for every token at once as the Jacobian-vector product of theta -> (log pi_t)_t in the direction v = D grad
+Hbar, by forward-mode AD (``opefo_trl.experimental.param_jvp.completion_jvp`` for a transformers model). It is given
+tensors only: whoever holds the model (``opefo_trl.experimental.param_estimate.ParamEstimate``) runs the scoring
 forwards and the forward-mode passes over the micro-batches and hands over what they return, in two stages:
 
 1. per micro-batch ``add_batch(logps, entropies, mask, coefficient)`` (with the graph; the two backwards), per probe
@@ -30,7 +30,7 @@ the current parameters), Hbar is the mean token entropy of the update's own toke
 policy gradient and its c_t are the batch's, only the direction v = D grad Hbar (and with it u_t) changes.
 
 The optimizer's real next step, whose momentum this D does not describe, is modelled exactly in
-``opefo_trl.maths.step_model`` (the optimizer's update itself in ``opefo_trl.maths.optimizer``).
+``opefo_trl.experimental.step_model`` (the optimizer's update itself in ``opefo_trl.experimental.optimizer``).
 
 Example (a linear softmax policy, where everything can be checked by hand):
     >>> import torch
@@ -58,9 +58,15 @@ from typing import cast
 
 import torch
 
-from opefo_trl.maths.optimizer import PreconditionedDirection, clip_coefficient, compute_dtype, global_norm, inner
+from opefo_trl.experimental.optimizer import (
+    PreconditionedDirection,
+    clip_coefficient,
+    compute_dtype,
+    global_norm,
+    inner,
+)
+from opefo_trl.experimental.step_model import StepModel
 from opefo_trl.maths.ranks import ReduceSum, single_process_sum
-from opefo_trl.maths.step_model import StepModel
 
 #: The derivative of Hbar along the direction may differ from the backward-mode one by this much (relative).
 CHECK_TOLERANCE = 1e-2

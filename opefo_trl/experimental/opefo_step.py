@@ -12,8 +12,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from opefo_trl.experimental.step_model import solve_step_balance
 from opefo_trl.maths.entropy_flow import BALANCES, check_choice
-from opefo_trl.maths.step_model import solve_step_balance
 from opefo_trl.methods.base import MethodContext, StepChange, off_policy_reasons, setting
 
 

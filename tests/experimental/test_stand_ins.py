@@ -1,10 +1,11 @@
-"""opefo_trl.trainer.stand_ins alone: the served leaf reaches no parameter, the written gradient adds to what is there.
-Both are pinned against TRL's own pass in tests/trainer/test_param_estimate.py (the written-gradient tests)."""
+"""opefo_trl.experimental.stand_ins alone: the served leaf reaches no parameter, the written gradient adds to what is
+there. Both are pinned against TRL's own pass in tests/experimental/test_param_estimate.py (the written-gradient
+tests)."""
 
 import torch
 
+from opefo_trl.experimental.stand_ins import served_scores, write_gradient
 from opefo_trl.trainer.batch_state import Scores
-from opefo_trl.trainer.stand_ins import served_scores, write_gradient
 
 
 def test_the_served_leaf_holds_the_estimates_log_probs_and_reaches_no_parameter():

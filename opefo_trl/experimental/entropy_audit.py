@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 from transformers import TrainerCallback
 
-from opefo_trl.maths.optimizer import inner
-from opefo_trl.maths.param_flow import ParamFlow
+from opefo_trl.experimental.optimizer import inner
+from opefo_trl.experimental.param_flow import ParamFlow
+from opefo_trl.experimental.step_model import first_order_change
 from opefo_trl.maths.ranks import ReduceSum
-from opefo_trl.maths.step_model import first_order_change
 from opefo_trl.trainer.batch_state import Scores
 
 

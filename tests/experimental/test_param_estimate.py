@@ -1,12 +1,17 @@
-"""opefo_trl.trainer.param_estimate through the trainer: the gradient the step balance writes instead of TRL's training
-pass is the one TRL's own pass computes, for every loss type, and it is written only where it is exact."""
+"""opefo_trl.experimental.param_estimate through the trainer: the gradient the step balance writes instead of TRL's
+training pass is the one TRL's own pass computes, for every loss type, and it is written only where it is exact."""
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from trainer_setup import first_rollout, logged, make_config, make_trainer, spy
 from transformers import TrainerCallback, set_seed
 
 from opefo_trl.trainer.loss_mirror import LOSS_TYPES
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))  # trainer_setup: the trainer tests' helpers
+from trainer_setup import first_rollout, logged, make_config, make_trainer, spy  # noqa: E402
 
 pytestmark = pytest.mark.numerics
 
@@ -266,7 +271,7 @@ def test_a_probe_of_earlier_rollouts_is_what_the_step_balance_holds_and_the_audi
     before it; the step balance zeroes the first-order change of the probe's mean entropy, and the audit re-scores
     the whole probe after the real AdamW step: what it measures is second order, far below what GRPO's step would
     have changed the same probe by to first order (opefo/step_change_unweighted)."""
-    from opefo_trl.trainer.param_estimate import ParamEstimate
+    from opefo_trl.experimental.param_estimate import ParamEstimate
 
     args = make_config(
         tmp_path, max_steps=3, learning_rate=1e-5, optim="adamw_torch", max_grad_norm=1e9, entropy_flow_audit_steps=1,

@@ -7,8 +7,8 @@ lambda: the gradient of the loss with token weights 1 + lambda s_t is affine in 
 
     delta Hbar(lambda) = <grad Hbar, delta theta_opt(clip(lambda) * (a + lambda b))>,
 
-with delta theta_opt the optimizer's update as torch computes it (``opefo_trl.maths.optimizer.optimizer_update``) and
-clip the Trainer's gradient clipping. ``solve_step_balance`` finds its root in lambda; ``first_order_change`` is the
+with delta theta_opt the optimizer's update as torch computes it (``opefo_trl.experimental.optimizer.optimizer_update``)
+and clip the Trainer's gradient clipping. ``solve_step_balance`` finds its root in lambda; ``first_order_change`` is the
 same first-order change for a given gradient.
 """
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from opefo_trl.maths.optimizer import FP64_CHUNK, clip_coefficient, inner, optimizer_update, param_groups
+from opefo_trl.experimental.optimizer import FP64_CHUNK, clip_coefficient, inner, optimizer_update, param_groups
 
 
 @torch.no_grad()

@@ -1,10 +1,10 @@
-"""opefo_trl.maths.step_model against the real step torch's AdamW takes, and the step balance's root finder."""
+"""opefo_trl.experimental.step_model against the real step torch's AdamW takes, and the step balance's root finder."""
 
 import pytest
 import torch
 
-from opefo_trl.maths.optimizer import inner
-from opefo_trl.maths.step_model import StepModel, first_order_change, solve_step_balance
+from opefo_trl.experimental.optimizer import inner
+from opefo_trl.experimental.step_model import StepModel, first_order_change, solve_step_balance
 
 pytestmark = pytest.mark.numerics
 

@@ -13,13 +13,13 @@
   leaves (nothing). Exact when TRL's loss is linear in the token weights with no other term: the gradient is then
   -sum_t f_t A_t w_t grad log pi_t with w_t = 1 + lambda s_t, which is a + lambda b. Guarded by: the method declaring
   its weights 1 + lambda s_t with the signs of the step model it built (``RolloutWeights.lam`` / ``signs``; any other
-  form and TRL's pass runs); ``LossMirror.gradient_is_linear`` and no micro-batch terms (``parts.build_parts`` sets
-  ``RolloutWeigher.writes_gradient``); the step balance's refusals of a KL term, an entropy bonus and off-policy
+  form and TRL's pass runs); ``LossMirror.gradient_is_linear`` and no micro-batch terms (``trainer.parts.build_parts``
+  sets ``RolloutWeigher.writes_gradient``); the step balance's refusals of a KL term, an entropy bonus and off-policy
   updates (``opefo_step.check_step_config``); the optimizer check (``ParamEstimate.check_optimizer``); and the
   one-time guard ``LossMirror.check_against_trl`` on the first micro-batch, which stops training with
   ``LossMirrorMismatch`` when TRL's loss has another gradient in log pi_t than the factor models.
 
-Pinned against TRL's own pass by tests/trainer/test_param_estimate.py:
+Pinned against TRL's own pass by tests/experimental/test_param_estimate.py:
 ``test_the_written_gradient_is_the_one_trls_own_pass_computes`` (every loss type: the written gradient against TRL's
 training pass, and TRL's logged loss and entropy from the served leaf against its own forward's) and
 ``test_the_written_gradient_carries_the_vllm_importance_ratio`` (with TRL's vLLM importance-sampling correction).

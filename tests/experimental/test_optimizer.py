@@ -1,10 +1,10 @@
-"""opefo_trl.maths.optimizer against torch's own optimizers: the update each step really makes, Adam's
+"""opefo_trl.experimental.optimizer against torch's own optimizers: the update each step really makes, Adam's
 preconditioner, and the optimizers the `param` estimate refuses."""
 
 import pytest
 import torch
 
-from opefo_trl.maths.optimizer import adam_preconditioner, check_optimizer, optimizer_update, param_groups
+from opefo_trl.experimental.optimizer import adam_preconditioner, check_optimizer, optimizer_update, param_groups
 
 pytestmark = pytest.mark.numerics
 

@@ -6,8 +6,8 @@ The completions are drawn by TRL's own generation path (its prompt tokenisation 
 training's sampling settings, vLLM included), ``num_generations`` per prompt, each process drawing for its share of the
 prompts, under a fixed seed in a forked RNG so that the training's random stream is the one it would be without the
 probe. TRL's colocate vLLM runs its engine in this process and samples from torch's default generator, so the seed
-reaches vLLM's sampler too (tests/trainer/test_probe_vllm.py, on vLLM's CPU build). They are kept as token ids, in
-micro-batches of the training's size, and re-scored under the current parameters at every estimate.
+reaches vLLM's sampler too (tests/experimental/test_fixed_probe_vllm.py, on vLLM's CPU build). They are kept as token
+ids, in micro-batches of the training's size, and re-scored under the current parameters at every estimate.
 """
 
 from __future__ import annotations

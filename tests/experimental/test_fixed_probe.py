@@ -1,13 +1,18 @@
-"""opefo_trl.trainer.probe: a fixed probe of prompts never trained on, sampled once by TRL's generation path, measured
-by the `param` flow with the batch; refused before loading where it would have no effect."""
+"""opefo_trl.experimental.fixed_probe: a fixed probe of prompts never trained on, sampled once by TRL's generation path,
+measured by the `param` flow with the batch; refused before loading where it would have no effect."""
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from datasets import Dataset
-from trainer_setup import logged, make_config, make_trainer, spy
 
 from opefo_trl import OPEFOTrainer
 from opefo_trl.trainer.parts import fixed_probe
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))  # trainer_setup: the trainer tests' helpers
+from trainer_setup import logged, make_config, make_trainer, spy  # noqa: E402
 
 pytestmark = pytest.mark.numerics
 

@@ -1,7 +1,7 @@
 """The `param` estimate and the exact step balance on a tiny float64 network (docs/algorithm.md section 4), checked
 against what does not share their construction: autograd's per-token gradients, the measured entropy change of a real
 SGD or torch AdamW step, and a float64 reference of a float32 run. The optimizer's update and the step model on their
-own: tests/maths/test_optimizer.py, tests/maths/test_step_model.py."""
+own: tests/experimental/test_optimizer.py, tests/experimental/test_step_model.py."""
 
 import copy
 import threading
@@ -9,12 +9,12 @@ import threading
 import pytest
 import torch
 
+from opefo_trl.experimental.optimizer import inner
+from opefo_trl.experimental.param_flow import ParamFlowEstimator, imprecision, relative_error, token_count
+from opefo_trl.experimental.param_jvp import completion_jvp, named_tangents
+from opefo_trl.experimental.step_model import solve_step_balance
 from opefo_trl.maths.entropy_flow import entropy_flow, flow_stats, token_weights, weight_signs
-from opefo_trl.maths.optimizer import inner
-from opefo_trl.maths.param_flow import ParamFlowEstimator, imprecision, relative_error, token_count
-from opefo_trl.maths.param_jvp import completion_jvp, named_tangents
 from opefo_trl.maths.ranks import single_process_sum
-from opefo_trl.maths.step_model import solve_step_balance
 
 pytestmark = pytest.mark.numerics
 
@@ -99,7 +99,7 @@ def _jvp(model):
 
 def _param_flow(params, score, jvp, batch, mask, coefficient, probe=(), reduce_sum=single_process_sum, optimizer=None):
     """The estimator of one micro-batch (and ``probe``: (batch, mask) pairs) fed its two stages, as
-    trainer.param_estimate.ParamEstimate feeds it: ``score(batch) -> (logps, entropies)`` with the graph,
+    experimental.param_estimate.ParamEstimate feeds it: ``score(batch) -> (logps, entropies)`` with the graph,
     ``jvp(batch, direction) -> (u_t, dH_t)``."""
     tokens = token_count([mask, *(probe_mask for _, probe_mask in probe)], reduce_sum)
     estimator = ParamFlowEstimator(params, tokens, reduce_sum, optimizer=optimizer)

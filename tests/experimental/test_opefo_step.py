@@ -1,13 +1,17 @@
-"""OPEFO's step balance and entropy setpoint (opefo_trl.methods.opefo_step) through the context's step model."""
+"""OPEFO's step balance and entropy setpoint (opefo_trl.experimental.opefo_step) through the context's step model."""
 
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
-from methods_batch import random_batch
 
 from opefo_trl.maths.entropy_flow import flow_stats, token_weights, weight_signs
 from opefo_trl.methods import OPEFO, SINGLE_PROCESS, MethodContext
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "methods"))  # methods_batch: the method tests' batches
+from methods_batch import random_batch  # noqa: E402
 
 
 def test_opefo_step_balance_takes_the_root_of_the_step_change():

@@ -55,6 +55,8 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from opefo_trl.maths.lm_head import core_model
+
 #: Attention implementations ``completion_jvp`` runs through. SDPA runs on its math backend (plain matmul and
 #: softmax, which have forward-mode rules; the fused CPU/GPU kernels have none) and eager as it is.
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -233,12 +235,6 @@ def named_tangents(
             raise ValueError(f"A parameter of shape {tuple(p.shape)} is not a parameter of the model.")
         result[names[id(p)]] = t
     return result
-
-
-def core_model(model: Any) -> Any:
-    """The causal LM carrying the LM head: a PEFT model's base model, else the (unwrapped) model itself."""
-    get_base_model = getattr(model, "get_base_model", None)
-    return get_base_model() if callable(get_base_model) else model
 
 
 def _checked_core_model(model: torch.nn.Module) -> torch.nn.Module:

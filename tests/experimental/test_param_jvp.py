@@ -1,4 +1,4 @@
-"""Forward-mode u_t = <v, grad log pi_t> and dH_t (opefo_trl.maths.param_jvp) against what does not share its
+"""Forward-mode u_t = <v, grad log pi_t> and dH_t (opefo_trl.experimental.param_jvp) against what does not share its
 construction: torch.func.jvp of a full float64 softmax, float64 central finite differences of the model's own forward
 (the full model with its LM head, not the backbone/head split), a backward pass for the entropy check, and the
 finite-difference estimator's sensitivity to a 1e-7 parameter jitter."""
@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from opefo_trl.maths.param_flow import ParamFlowEstimator, token_count
-from opefo_trl.maths.param_jvp import completion_jvp, head_jvp, named_tangents
+from opefo_trl.experimental.param_flow import ParamFlowEstimator, token_count
+from opefo_trl.experimental.param_jvp import completion_jvp, head_jvp, named_tangents
 
 pytestmark = pytest.mark.numerics
 
