@@ -47,13 +47,7 @@ from opefo_trl.experimental.stand_ins import served_scores, write_gradient
 from opefo_trl.maths.entropy_flow import TABULAR_ESTIMATES, FlowStats, flow_per_unit_advantage, flow_stats
 from opefo_trl.maths.ranks import ReduceSum
 from opefo_trl.methods import MethodContext, TokenBatch, TokenMethod, decide_rollout_weights
-from opefo_trl.trainer.batch_state import (
-    MULTIMODAL_KEYS,
-    STATE_KEY,
-    MicroBatchState,
-    RolloutItem,
-    Scores,
-)
+from opefo_trl.trainer.batch_state import MULTIMODAL_KEYS, STATE_KEY, MicroBatchState, RolloutItem, Scores
 from opefo_trl.trainer.loss_mirror import LossMirror, LossMirrorMismatch
 from opefo_trl.trainer.scoring import Scorer
 

@@ -817,3 +817,45 @@ def test_trl_reads_the_advantages_after_the_scoring_call(tiny_model_path, tiny_d
             not torch.equal(p.detach(), b) for p, b in zip(trainer.model.parameters(), before, strict=True)
         )
     assert moved == {True: False, False: True}
+
+
+@pytest.mark.parametrize("sampling", ["vllm_correction", "transformers"])
+def test_the_papers_method_trains_through_two_private_trl_methods_with_its_weights_set_before_the_split(
+    tiny_model_path, tiny_dataset, length_reward, tmp_path, sampling
+):
+    """The paper's method (`opefo`, the recipes' dapo loss) on two micro-batches per rollout, with TRL's vLLM
+    importance-sampling pass (emulated) and with transformers' sampling: the only private TRL methods of the trainer's
+    that run are `_generate_and_score_completions` and `_get_per_token_logps_and_entropies`, and every micro-batch
+    reaches the loss with its (B, T) weighted advantages already set (nothing is weighed at the loss)."""
+    from contextlib import nullcontext
+
+    from trl import GRPOTrainer
+
+    from opefo_trl.testing import vllm_generation_emulated
+
+    args = make_config(tmp_path, gradient_accumulation_steps=2, per_device_train_batch_size=4, max_steps=2)
+    trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
+    private = [
+        name
+        for name, value in vars(OPEFOTrainer).items()
+        if callable(value) and name.startswith("_") and not name.startswith("__") and hasattr(GRPOTrainer, name)
+    ]
+    called, weighed_before_split, advantages_at_loss = set(), [], []
+    for name in private:
+        spy(trainer, name, lambda original, *args, name=name, **kwargs: called.add(name) or original(*args, **kwargs))
+    spy(
+        trainer.rollout,
+        "weigh",
+        lambda weigh, batches, **kw: weighed_before_split.append(bool(kw)) or weigh(batches, **kw),
+    )
+
+    def compute_loss(loss, model, inputs, *args, **kwargs):
+        advantages_at_loss.append(inputs["advantages"].dim())
+        return loss(model, inputs, *args, **kwargs)
+
+    spy(trainer, "compute_loss", compute_loss)
+    with vllm_generation_emulated(trainer) if sampling == "vllm_correction" else nullcontext():
+        trainer.train()
+    assert called == {"_generate_and_score_completions", "_get_per_token_logps_and_entropies"}, called
+    assert weighed_before_split == [True, True] and advantages_at_loss == [2, 2, 2, 2]
+    assert len(logged(trainer, "entropy_flow/lambda")) == 2
