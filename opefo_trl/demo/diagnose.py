@@ -62,10 +62,11 @@ def diagnostic_trainer_class() -> type[OPEFOTrainer]:
 
     from opefo_trl import OPEFOTrainer
     from opefo_trl.experimental.optimizer import adam_preconditioner, inner, param_groups
+    from opefo_trl.experimental.extension_parts import build_param_estimate
     from opefo_trl.experimental.step_model import first_order_change
     from opefo_trl.maths.entropy_flow import flow_per_unit_advantage, flow_stats, lambda_star, token_weights
     from opefo_trl.trainer.batch_state import RolloutItem
-    from opefo_trl.trainer.parts import build_param_estimate
+    from opefo_trl.trainer.parts import TrainerAccess
     from opefo_trl.trainer.token_weights import carried_scores, per_token
 
     class DiagnosticTrainer(OPEFOTrainer):
@@ -74,7 +75,7 @@ def diagnostic_trainer_class() -> type[OPEFOTrainer]:
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             # the parameter-space flow, whatever the run's own estimate
-            self.reference = build_param_estimate(self, self.scorer, self.loss_mirror)
+            self.reference = build_param_estimate(self, TrainerAccess(self), self.scorer, self.loss_mirror)
             self.add_callback(BeforeOptimizerStep(self))
 
         def train(self, *args, **kwargs):

@@ -15,6 +15,10 @@ docs/algorithm.md sections 1-3) does not need any of it.
 - `entropy_audit`: the callback that measures what an optimizer step really did to its batch's entropy
   (``entropy_flow_audit_steps``).
 - `stand_ins`: the two places the trainer stands in for TRL's own pass under the step balance.
+- `task_tokens`: the task's token ids (``entropy_flow_task_tokens``), checked with the config and against the model's
+  vocabulary; the `param` flow can measure the entropy over them (``entropy_flow_entropy="task_tokens"``).
+- `extension_parts`: how the trainer builds the parts above (`param` estimate, fixed probe, audit) from its settings,
+  for `opefo_trl.trainer.parts.build_parts`.
 
 Each module is imported by its path, e.g. ``from opefo_trl.experimental.param_flow import ParamFlowEstimator``.
 """

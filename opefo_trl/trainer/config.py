@@ -22,6 +22,7 @@ check_installed_trl()
 
 from trl import GRPOConfig  # noqa: E402
 
+from opefo_trl.experimental.task_tokens import check_task_tokens  # noqa: E402
 from opefo_trl.maths.entropy_flow import FLOW_ESTIMATES, check_choice  # noqa: E402
 from opefo_trl.methods import (  # noqa: E402
     BUILTIN_METHODS,
@@ -215,33 +216,6 @@ def check_estimate_backend(estimate: str, *, deepspeed: bool, fsdp: bool, compil
         )
 
 
-def _check_task_tokens(args, method_class: type[TokenMethod]) -> None:
-    tokens = args.entropy_flow_task_tokens
-    if tokens is not None and (
-        not tokens or len(set(tokens)) != len(tokens) or any(not isinstance(t, int) or t < 0 for t in tokens)
-    ):
-        raise ValueError(
-            f"entropy_flow_task_tokens must be distinct token ids >= 0 (e.g. those of the digits, from "
-            f"tokenizer.convert_tokens_to_ids); got {tokens}."
-        )
-    if args.entropy_flow_entropy != "task_tokens":
-        return
-    if tokens is None:
-        raise ValueError(
-            "entropy_flow_entropy='task_tokens' measures the entropy over entropy_flow_task_tokens, which is not set: "
-            "give the task's token ids (e.g. the digits'), or use entropy_flow_entropy='vocabulary'."
-        )
-    computes_param = args.entropy_flow_estimate == "param" and (
-        method_class.needs_rollout_pass or args.entropy_flow_diagnostics
-    )
-    if not computes_param:
-        raise ValueError(
-            "entropy_flow_entropy='task_tokens' sets the entropy the 'param' flow measures, but this configuration "
-            f"computes no 'param' flow (entropy_flow_estimate={args.entropy_flow_estimate!r}, method={args.method!r}). "
-            "Set entropy_flow_estimate='param', or remove the option."
-        )
-
-
 def uses_loss_factor(args, method_class: type[TokenMethod]) -> bool:
     """Whether a configuration relies on TRL's per-token loss factor (``LossMirror.factor``): the method weighs tokens,
     or the entropy flow is computed."""
@@ -349,7 +323,7 @@ def validate_opefo_settings(args) -> None:
     check_choice("entropy_flow_estimate", args.entropy_flow_estimate, FLOW_ESTIMATES)
     check_choice("entropy_flow_preconditioner", args.entropy_flow_preconditioner, PRECONDITIONERS)
     check_choice("entropy_flow_entropy", args.entropy_flow_entropy, ENTROPIES)
-    _check_task_tokens(args, method_class)
+    check_task_tokens(args, method_class)
     if args.entropy_flow_audit_steps < 0:
         raise ValueError(f"entropy_flow_audit_steps must be >= 0 (0: off); got {args.entropy_flow_audit_steps}.")
     if args.vocab_stats_token_chunk_size < 1 or args.vocab_stats_vocab_chunk_size < 1:

@@ -1,8 +1,9 @@
 """How `OPEFOTrainer`'s parts are built: what each is given, read from the trainer (`TrainerAccess`), and which parts
 a configuration needs (`build_parts`).
 
-This is the one module that reads the trainer's attributes (its accelerator, arguments, state and TRL's own helpers);
-the parts themselves take plain callables and values in their constructors.
+This module, and `opefo_trl.experimental.extension_parts` for the library's extensions (the `param` estimate, its
+fixed probe and the entropy audit), are the only ones that read the trainer's attributes (its accelerator, arguments,
+state and TRL's own helpers); the parts themselves take plain callables and values in their constructors.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import torch
 from accelerate.utils import reduce
 from trl import GRPOTrainer
 
+from opefo_trl.experimental import extension_parts
 from opefo_trl.experimental.entropy_audit import EntropyAudit
-from opefo_trl.experimental.fixed_probe import FixedProbe
 from opefo_trl.experimental.param_estimate import ParamEstimate
+from opefo_trl.experimental.task_tokens import task_token_ids
 from opefo_trl.maths.entropy_flow import TABULAR_ESTIMATES
 from opefo_trl.maths.lm_head import core_model
 from opefo_trl.maths.ranks import ReduceSum
@@ -101,7 +103,8 @@ def build_parts(trainer: Any, probe_prompts: Any = None) -> Parts:
             f"pass would also apply {'; '.join(loss_mirror.nonlinear_terms)}, which move the entropy "
             "outside the balance. Remove them (the paper's setup has none), or use opefo_balance='batch'."
         )
-    task_tokens = _task_tokens(args, access.core_model().config.get_text_config().vocab_size, trainer.model)
+    vocab_size = access.core_model().config.get_text_config().vocab_size
+    task_tokens = task_token_ids(args, vocab_size, next(trainer.model.parameters()).device)
     checkpointing = args.gradient_checkpointing_kwargs
     assert not isinstance(checkpointing, str)  # TrainingArguments.__post_init__ parses a JSON string into a dict
     scorer = Scorer(
@@ -117,21 +120,10 @@ def build_parts(trainer: Any, probe_prompts: Any = None) -> Parts:
         vocab_chunk_size=args.vocab_stats_vocab_chunk_size,
         entropy_tokens=task_tokens if args.entropy_flow_entropy == "task_tokens" else None,
     )
-    audit = EntropyAudit(
-        every=args.entropy_flow_audit_steps,
-        global_step=lambda: trainer.state.global_step,
-        score=scorer.score,
-        score_full_precision=scorer.score_full_precision,
-        loss_mask=loss_mirror.mask,
-        reduce_sum=access.reduce_sum,
-        device=access.device,
-        log_metrics=access.log_metrics,
-        params=access.trainable_parameters,
-        optimizer=access.torch_optimizer,
-    )
+    audit = extension_parts.build_audit(trainer, access, scorer, loss_mirror)
     param_estimate = None
     if rollout_flow and estimate == "param":
-        param_estimate = build_param_estimate(trainer, scorer, loss_mirror, probe_prompts)
+        param_estimate = extension_parts.build_param_estimate(trainer, access, scorer, loss_mirror, probe_prompts)
     trl_scores = trl_scores_rollout(
         args, use_vllm=trainer.use_vllm, importance_sampling_correction=trainer.vllm_importance_sampling_correction
     )
@@ -196,55 +188,3 @@ def scores_source(estimate: str, trl_scores: bool, reads_generation: bool, in_tr
     if in_training_forward:
         return "the training forward (one micro-batch per rollout, no extra forward)"
     return "a no-grad scoring pass of the trainer's over each micro-batch (one extra forward per micro-batch)"
-
-
-def _task_tokens(args: Any, vocab_size: int, model: Any) -> torch.Tensor | None:
-    """``entropy_flow_task_tokens`` as a tensor on the model's device, each checked against the vocabulary."""
-    if args.entropy_flow_task_tokens is None:
-        return None
-    outside = [t for t in args.entropy_flow_task_tokens if t >= vocab_size]
-    if outside:
-        raise ValueError(
-            f"entropy_flow_task_tokens {outside} are not token ids of this model (vocabulary of {vocab_size}); take "
-            "them from its tokenizer, e.g. tokenizer.convert_tokens_to_ids([...])."
-        )
-    return torch.tensor(args.entropy_flow_task_tokens, dtype=torch.long, device=next(model.parameters()).device)
-
-
-def build_param_estimate(
-    trainer: Any, scorer: Scorer, loss_mirror: LossMirror, probe_prompts: Any = None
-) -> ParamEstimate:
-    """The `param` estimate of a built trainer's rollout batches (``probe_prompts``: the fixed probe's prompts)."""
-    access = TrainerAccess(trainer)
-    return ParamEstimate(
-        params=access.trainable_parameters,
-        score=scorer.score_full_precision,
-        jvp=scorer.jvp,
-        loss=loss_mirror,
-        reduce_sum=access.reduce_sum,
-        num_processes=trainer.accelerator.num_processes,
-        optimizer=access.torch_optimizer,
-        max_grad_norm=trainer.args.max_grad_norm,
-        log_metrics=access.log_metrics,
-        main_process=trainer.accelerator.is_main_process,
-        probe_rollouts=trainer.args.entropy_flow_probe_rollouts,
-        fixed_probe=None if probe_prompts is None else fixed_probe(trainer, loss_mirror, probe_prompts).batches,
-    )
-
-
-def fixed_probe(trainer: Any, loss_mirror: LossMirror, probe_prompts: Any) -> FixedProbe:
-    """The fixed probe of ``probe_prompts``, sampled by TRL's generation path of ``trainer``."""
-    assert trainer.num_generations is not None  # (GRPOConfig sets it)
-    return FixedProbe(
-        probe_prompts,
-        tokenize=trainer._tokenize_prompts,
-        generate=trainer._generate_single_turn,
-        pad_token_id=trainer._tokenizer.pad_token_id,
-        num_generations=trainer.num_generations,
-        batch_size=trainer.args.per_device_train_batch_size,
-        loss_mask=loss_mirror.mask,
-        rank=trainer.accelerator.process_index,
-        world_size=trainer.accelerator.num_processes,
-        seed=trainer.args.seed,
-        device=lambda: trainer.accelerator.device,
-    )

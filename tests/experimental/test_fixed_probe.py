@@ -9,7 +9,7 @@ import torch
 from datasets import Dataset
 
 from opefo_trl import OPEFOTrainer
-from opefo_trl.trainer.parts import fixed_probe
+from opefo_trl.experimental.extension_parts import fixed_probe
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))  # trainer_setup: the trainer tests' helpers
 from trainer_setup import logged, make_config, make_trainer, spy  # noqa: E402

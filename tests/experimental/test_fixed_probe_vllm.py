@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from opefo_trl import OPEFOConfig
-from opefo_trl.trainer.parts import fixed_probe
+from opefo_trl.experimental.extension_parts import fixed_probe
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))  # trainer_setup, test_trainer_vllm
 from test_trainer_vllm import vllm_settings  # noqa: E402

@@ -103,12 +103,6 @@ def test_a_one_micro_batch_rollout_that_trl_scores_takes_lambda_star_from_trls_p
     )
 
 
-def test_task_tokens_outside_the_vocabulary_are_refused(tiny_model_path, tiny_dataset, length_reward, tmp_path):
-    args = make_config(tmp_path, entropy_flow_task_tokens=[18, 100_000])
-    with pytest.raises(ValueError, match=r"entropy_flow_task_tokens \[100000\] are not token ids of this model"):
-        make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
-
-
 @pytest.mark.parametrize(
     "flags, match",
     [
