@@ -61,8 +61,8 @@ def diagnostic_trainer_class() -> type[OPEFOTrainer]:
     from transformers import TrainerCallback
 
     from opefo_trl import OPEFOTrainer
-    from opefo_trl.experimental.optimizer import adam_preconditioner, inner, param_groups
     from opefo_trl.experimental.extension_parts import build_param_estimate
+    from opefo_trl.experimental.optimizer import adam_preconditioner, inner, param_groups
     from opefo_trl.experimental.step_model import first_order_change
     from opefo_trl.maths.entropy_flow import flow_per_unit_advantage, flow_stats, lambda_star, token_weights
     from opefo_trl.trainer.batch_state import RolloutItem
