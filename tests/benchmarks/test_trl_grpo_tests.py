@@ -15,7 +15,7 @@ from opefo_trl import OPEFOConfig, OPEFOTrainer  # noqa: E402
 
 #: A stand-in for TRL's test module: what each mode must see when it imports TRL's classes, one failing and one
 #: skipped test, and a probe of a package TRL does not have imported by ``testing_utils``.
-STAND_IN_TESTS = '''
+STAND_IN_TESTS = """
 import os
 
 from trl import GRPOConfig, GRPOTrainer
@@ -43,7 +43,7 @@ def test_skipped():
 
 def test_probe_of_a_missing_package_says_it_is_missing():
     assert is_nonexistent_package_available() is False
-'''
+"""
 
 
 @pytest.fixture(scope="module")
