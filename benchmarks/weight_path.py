@@ -15,7 +15,8 @@ loss weighs it (the rollout pass) and reads the weights. Every call into a file 
 Reported per configuration: ``modules``, every package module a call entered; ``weight_path``, the same without the
 calls made under the reward computation (TRL's ``_calculate_rewards``: the reward functions and their check, upstream
 of the advantages, the same for every method, and the check's start and verdict), the audit's bookkeeping
-(``EntropyAudit.keep_batch``) and the one-time check of the loaded weights (``check_finite_policy``);
+(``ExtensionHooks.after_loss``, which hands the batch to ``EntropyAudit.keep_batch``) and the one-time check of the
+loaded weights (``check_finite_policy``);
 ``entries``, the calls into each module from another file; ``maths_callbacks``, calls from the package's maths
 (``MATHS``: ``opefo_trl/maths/`` and the parameter-space maths of ``opefo_trl/experimental/``) into another module of
 the package (caller -> callee: count).
@@ -40,7 +41,7 @@ OFF_PATH = {
     ("trl", "_calculate_rewards"),  # TRL's: the reward functions, checked (``checks.RewardCheck``)
     ("trainer/checks.py", "start"),  # the reward check's, per rollout
     ("trainer/trainer.py", "_raise_if_a_reward_failed"),
-    ("experimental/entropy_audit.py", "keep_batch"),
+    ("experimental/trainer_hooks.py", "after_loss"),  # the audit's bookkeeping (`EntropyAudit.keep_batch`)
     ("trainer/checks.py", "check_finite_policy"),  # once, before the first generation
     ("trainer/parts.py", "core_model"),  # names the model for that check's message
 }

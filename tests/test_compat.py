@@ -68,7 +68,10 @@ def test_a_newer_trl_whose_hook_changed_is_refused_naming_the_hook():
 def test_every_grpo_trainer_method_opefo_trainer_overrides_is_checked():
     from opefo_trl import OPEFOTrainer
 
-    overridden = {name for name, value in vars(OPEFOTrainer).items() if callable(value) and hasattr(GRPOTrainer, name)}
+    ours = OPEFOTrainer.__mro__[: OPEFOTrainer.__mro__.index(GRPOTrainer)]  # the trainer and its mixins
+    overridden = {
+        name for cls in ours for name, value in vars(cls).items() if callable(value) and hasattr(GRPOTrainer, name)
+    }
     assert overridden <= set(TRL_HOOKS), f"add {sorted(overridden - set(TRL_HOOKS))} to opefo_trl._compat.TRL_HOOKS"
     # The private ones, each listed with what it relies on in CONTRIBUTING.md ("Support a new TRL version").
     assert {name for name in overridden if name.startswith("_") and not name.startswith("__")} == {

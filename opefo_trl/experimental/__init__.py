@@ -19,6 +19,8 @@ docs/algorithm.md sections 1-3) does not need any of it.
   vocabulary; the `param` flow can measure the entropy over them (``entropy_flow_entropy="task_tokens"``).
 - `extension_parts`: how the trainer builds the parts above (`param` estimate, fixed probe, audit) from its settings,
   for `opefo_trl.trainer.parts.build_parts`.
+- `trainer_hooks`: `ExtensionHooks`, the mixin with the extensions' trainer hooks (the audit's callback and the
+  batches it measures, the `param` estimate's check of the optimizer).
 
 Each module is imported by its path, e.g. ``from opefo_trl.experimental.param_flow import ParamFlowEstimator``.
 """

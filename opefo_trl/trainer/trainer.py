@@ -12,9 +12,11 @@ The trainer holds only `__init__` and TRL's hooks; each hook hands over to a par
 - `_get_per_token_logps_and_entropies` (every TRL scoring call): the scoring observer of the hook in progress, if any
   (TRL's old-log-prob pass over a new rollout: a `token_weights.RolloutCapture`; the loss forward: a
   `token_weights.LossCall`);
-- around the optimizer step (callbacks): `experimental.entropy_audit.EntropyAudit`;
-- `create_optimizer`: `ParamEstimate.check_optimizer`; `train` (resume from the last *whole* checkpoint, with the
-  method's state) and `_save_checkpoint` (whole or removed): `opefo_trl.runs`; the reward functions (`reward_funcs`,
+- the extensions' hooks (`experimental.trainer_hooks.ExtensionHooks`, a mixin): around the optimizer step, the
+  audit (`experimental.entropy_audit.EntropyAudit`, a callback), and `create_optimizer`,
+  `ParamEstimate.check_optimizer`;
+- `train` (resume from the last *whole* checkpoint, with the method's state) and `_save_checkpoint` (whole or
+  removed): `opefo_trl.runs`; the reward functions (`reward_funcs`,
   checked from the end of `__init__`): `checks.RewardCheck`; each epoch's data order (a callback):
   `sampler.EpochSeededOrder`.
 
@@ -49,6 +51,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.trainer.utils import get_config_model_id  # noqa: E402
 
 from opefo_trl.experimental.fixed_probe import check_probe_dataset  # noqa: E402
+from opefo_trl.experimental.trainer_hooks import ExtensionHooks  # noqa: E402
 from opefo_trl.methods import TokenMethod, get_token_method_class  # noqa: E402
 from opefo_trl.runs import (  # noqa: E402
     check_resume_options,
@@ -82,7 +85,7 @@ OPEFO_CITATION = """\
 }"""
 
 
-class OPEFOTrainer(GRPOTrainer):
+class OPEFOTrainer(ExtensionHooks, GRPOTrainer):
     """A drop-in [`~trl.GRPOTrainer`] whose per-token policy-gradient terms are weighted by a token method.
 
     Takes exactly `GRPOTrainer`'s arguments (`reward_funcs` optional with an `environment_factory` that owns the
@@ -158,7 +161,7 @@ class OPEFOTrainer(GRPOTrainer):
         # TRL's reward computation calls `self.reward_funcs` (the environment's reward included): checked functions
         # from here on, under the names TRL gave them.
         self.reward_funcs = self.reward_check.wrap(self.reward_funcs, self.reward_func_names)
-        self.add_callback(self.audit)
+        self.attach_extensions()
         self.add_callback(EpochSeededOrder())
 
     # TRL's hooks ----------------------------------------------------------------------------------------------------
@@ -212,17 +215,10 @@ class OPEFOTrainer(GRPOTrainer):
         finally:
             self._scoring_observer = None
         loss = self.micro_batches.finish(call, loss)
-        if call.entropies_before is not None:
-            self.audit.keep_batch(call.inputs, call.entropies_before, call.full_precision)
+        self.after_loss(call)
         if self.accelerator.sync_gradients:
             self.micro_batches.end_optimizer_step()
         return loss
-
-    def create_optimizer(self, *args, **kwargs):
-        optimizer = super().create_optimizer(*args, **kwargs)
-        if self.param_estimate is not None:
-            self.param_estimate.check_optimizer(optimizer, self.args.entropy_flow_preconditioner)
-        return optimizer
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """`Trainer.train`; `resume_from_checkpoint=True` resumes the last *whole* checkpoint of output_dir. A resume
