@@ -1660,7 +1660,10 @@ def killed_after_the_first_file_moved(path):
     if os.path.exists(staged):  # about to move this file of the saved final model into place
         moving.append(path)
         if len(moving) == 2:  # one file is in place, the others still staged: the signal the test names
-            os.kill(os.getpid(), getattr(signal, os.environ["OPEFO_KILL_SIGNAL"]))
+            kill = getattr(signal, os.environ["OPEFO_KILL_SIGNAL"])
+            if signal.getsignal(kill) is signal.SIG_IGN:  # inherited (SIGHUP under nohup): simulate a run it kills
+                signal.signal(kill, signal.SIG_DFL)
+            os.kill(os.getpid(), kill)
     original(path)
 
 
