@@ -507,8 +507,10 @@ def mode_statistics(settings: PrecisionSettings, path: str, rollout: Rollout, mo
 def _flow_figures(stats: dict, rollout: Rollout, estimate: str, rows=slice(None)):
     from opefo_trl.maths.entropy_flow import entropy_flow, flow_stats
 
-    vocab = (stats["sum_sq_probs"][rows], stats["sum_sq_probs_log_probs"][rows]) if estimate == "full" else (None, None)
-    flow = entropy_flow(stats["logps"][rows], stats["entropies"][rows], rollout.advantages[rows], estimate, *vocab)
+    moment2 = None
+    if estimate == "full":  # S_2 = sum pi^2 log pi + H sum pi^2
+        moment2 = stats["sum_sq_probs_log_probs"][rows] + stats["entropies"][rows] * stats["sum_sq_probs"][rows]
+    flow = entropy_flow(stats["logps"][rows], stats["entropies"][rows], rollout.advantages[rows], estimate, moment2)
     sums = flow_stats(flow, rollout.completion_mask[rows].float())
     return flow, dict(lambda_star=float(sums.lambda_star), increase=float(sums.increase), decrease=float(sums.decrease))
 

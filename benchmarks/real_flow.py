@@ -133,8 +133,8 @@ def record_rollouts(trainer: OPEFOTrainer) -> list[list[dict]]:
                 advantages=batch.advantages.double(),
                 factor=batch.factor.double(),
                 param=item.unit_flow.double(),
-                sum_sq_probs=vocab.sum_sq_probs,
-                sum_sq_probs_log_probs=vocab.sum_sq_probs_log_probs,
+                moment2=vocab.moment2,
+                moment3=vocab.moment3,
                 trl_logps=vocab.logps.double(),
             )
         )
@@ -156,8 +156,8 @@ def rollout_figures(parts: list[dict]) -> dict:
             logps,
             entropies,
             estimate,
-            joined["sum_sq_probs"],
-            joined["sum_sq_probs_log_probs"],
+            joined["moment2"],
+            joined["moment3"],
             joined["param"],
         ).double()
         for estimate in ESTIMATES

@@ -107,6 +107,11 @@ def demo_methods(entropy_coef: float) -> dict[str, DemoMethod]:
         DemoMethod(
             "opefo_full", "OPEFO, exact tabular estimate (`full`)", {"method": "opefo", "entropy_flow_estimate": "full"}
         ),
+        DemoMethod(
+            "opefo_centered",
+            "OPEFO, the paper's estimate less its on-policy mean (`opefo_centered`)",
+            {"method": "opefo", "entropy_flow_estimate": "opefo_centered"},
+        ),
     ]
     return {m.name: m for m in (*registered, *variants)}
 

@@ -10,14 +10,23 @@ token outside the loss).
 A policy-gradient step on token t moves the entropy by, to first order (the step size eta is dropped: it cancels
 in lambda*), d_t = A_t u_t, where u_t ("flow per unit advantage") depends on the estimate:
 
-    opefo:     u_t = -(1 - pi_t)^2 (log pi_t + H_t)            (default; the paper's per-token diagnostic)
-    onaction:  u_t = -pi_t (1 - pi_t) (log pi_t + H_t)
-    sign:      u_t = -(log pi_t + H_t)
-    full:      u_t = -[pi_t (log pi_t + H_t) - S2_t],   S2_t = sum_k pi_k^2 log pi_k + H_t sum_k pi_k^2
-    param:     u_t = <D grad_theta Hbar, grad_theta log pi_t>   (through the network's parameters; see param_flow)
+    opefo:          u_t = -(1 - pi_t)^2 (log pi_t + H_t)          (our reconstruction of the paper's per-token form)
+    opefo_centered: u_t = -(1 - pi_t)^2 (log pi_t + H_t) - (2 S_2 - S_3)      (the same, less its on-policy mean)
+    onaction:       u_t = -pi_t (1 - pi_t) (log pi_t + H_t)
+    sign:           u_t = -(log pi_t + H_t)
+    full:           u_t = -[pi_t (log pi_t + H_t) - S_2]         (exact first order of a tabular softmax)
+    param:          u_t = <D grad_theta Hbar, grad_theta log pi_t>   (through the network's parameters; see param_flow)
 
-The first four treat each position's logits as free parameters of a softmax (tabular); ``param`` is the exact first
-order change of the batch's mean token entropy Hbar in the real network, under the optimizer's preconditioner D.
+with the surprise-gap moments S_k = sum_v pi_v^k (log pi_v + H_t) of the position's softmax (S_1 = 0;
+``vocab_stats.VocabStats.moments``). The tabular estimates treat each position's logits as free parameters of a
+softmax; ``param`` is the exact first order change of the batch's mean token entropy Hbar in the real network, under
+the optimizer's preconditioner D.
+
+For a token sampled from pi at a fixed advantage, E_a[u_a] (``on_policy_mean``) is 2 S_2 - S_3 >= 0 for ``opefo``,
+S_3 - S_2 <= 0 for ``onaction`` and exactly 0 for the others. Within a GRPO group the advantages sum to 0, so with a
+zero-mean estimate the net flow is noise that shrinks like 1/sqrt(tokens) against the gross flow; with ``opefo`` it
+also holds sum_t A_t E[u_t], which does not shrink (docs/algorithm.md, "What lambda* measures"). The diagnostics log
+that part (``FlowStats.bias_net``) beside lambda*.
 
 OPEFO splits the batch into S+ = {d_t > 0} and S- = {d_t < 0}, with P = sum_{S+} f_t d_t and N = sum_{S-} f_t |d_t|,
 and rescales the two sets by 1 +/- lambda*, lambda* = (N - P) / (N + P), so that (1 + lambda*) P = (1 - lambda*) N:
@@ -40,8 +49,12 @@ from dataclasses import dataclass
 
 import torch
 
-#: Estimates from the softmax of one position (need log pi_t and H_t; `full` also two vocabulary sums).
-TABULAR_ESTIMATES = ("opefo", "onaction", "sign", "full")
+#: Estimates from the softmax of one position (need log pi_t and H_t; ``VOCABULARY_ESTIMATES`` also S_2 and S_3).
+TABULAR_ESTIMATES = ("opefo", "opefo_centered", "onaction", "sign", "full")
+#: The tabular estimates that need the surprise-gap moments S_2, S_3 (a chunked pass over the vocabulary).
+VOCABULARY_ESTIMATES = ("opefo_centered", "full")
+#: The tabular estimates whose on-policy mean E_a[u_a] is not zero, and so is worth a diagnostic of its own.
+BIASED_ESTIMATES = ("opefo", "onaction")
 #: Every estimate; `param` needs the network (opefo_trl.experimental.param_flow computes its u_t).
 FLOW_ESTIMATES = (*TABULAR_ESTIMATES, "param")
 SIDES = ("both", "increase_only", "decrease_only")
@@ -80,8 +93,8 @@ def flow_per_unit_advantage(
     logps: torch.Tensor,
     entropies: torch.Tensor,
     estimate: str = "opefo",
-    sum_sq_probs: torch.Tensor | None = None,
-    sum_sq_probs_log_probs: torch.Tensor | None = None,
+    moment2: torch.Tensor | None = None,
+    moment3: torch.Tensor | None = None,
     entropy_alignment: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """u_t, the first-order entropy change of a step on token t per unit of its advantage (fp32, detached, (B, T)).
@@ -90,7 +103,8 @@ def flow_per_unit_advantage(
         logps: (B, T) log-probability of the sampled tokens.
         entropies: (B, T) entropy of the policy at each position.
         estimate: one of ``FLOW_ESTIMATES``.
-        sum_sq_probs, sum_sq_probs_log_probs: (B, T) sum_k pi_k^2 and sum_k pi_k^2 log pi_k; only for ``full``.
+        moment2, moment3: (B, T) surprise-gap moments S_2, S_3 (``VocabStats.moments``); only for
+            ``VOCABULARY_ESTIMATES`` (``full`` needs S_2 only).
         entropy_alignment: (B, T) <D grad Hbar, grad log pi_t>; only for ``param``.
     """
     check_choice("entropy-flow estimate", estimate, FLOW_ESTIMATES)
@@ -106,14 +120,37 @@ def flow_per_unit_advantage(
     if estimate == "sign":
         return -surprise_gap
     probs = logps.exp()
-    if estimate == "opefo":
-        return -(1.0 - probs).square() * surprise_gap
     if estimate == "onaction":
         return -probs * (1.0 - probs) * surprise_gap
-    if sum_sq_probs is None or sum_sq_probs_log_probs is None:
-        raise ValueError("The `full` entropy-flow estimate needs sum_sq_probs and sum_sq_probs_log_probs.")
-    s2 = sum_sq_probs_log_probs.detach().float() + entropies * sum_sq_probs.detach().float()
-    return -(probs * surprise_gap - s2)
+    if estimate == "opefo":
+        return -(1.0 - probs).square() * surprise_gap
+    if estimate == "full":
+        if moment2 is None:
+            raise ValueError("The `full` entropy-flow estimate needs the surprise-gap moment moment2.")
+        return -(probs * surprise_gap - moment2.detach().float())
+    if moment2 is None or moment3 is None:
+        raise ValueError(f"The `{estimate}` entropy-flow estimate needs the surprise-gap moments moment2 and moment3.")
+    return -(1.0 - probs).square() * surprise_gap - on_policy_mean("opefo", moment2, moment3)
+
+
+@torch.no_grad()
+def on_policy_mean(estimate: str, moment2: torch.Tensor, moment3: torch.Tensor) -> torch.Tensor:
+    """E_{a ~ pi}[u_a] at each position, the tabular estimate's mean over the token a sampled there (fp32, detached):
+    2 S_2 - S_3 for ``opefo``, S_3 - S_2 for ``onaction``, 0 for the others (their on-policy mean is 0 exactly).
+
+    >>> p = torch.tensor([0.7, 0.2, 0.1]); gap = p.log() - (p * p.log()).sum()
+    >>> s2, s3 = (p**2 * gap).sum(), (p**3 * gap).sum()
+    >>> u = -(1 - p) ** 2 * gap  # opefo's u for each token the position could sample
+    >>> bool(torch.isclose((p * u).sum(), on_policy_mean("opefo", s2, s3)))
+    True
+    """
+    check_choice("tabular entropy-flow estimate", estimate, TABULAR_ESTIMATES)
+    moment2, moment3 = moment2.detach().float(), moment3.detach().float()
+    if estimate == "opefo":
+        return 2.0 * moment2 - moment3
+    if estimate == "onaction":
+        return moment3 - moment2
+    return torch.zeros_like(moment2)
 
 
 @torch.no_grad()
@@ -122,8 +159,8 @@ def entropy_flow(
     entropies: torch.Tensor,
     advantages: torch.Tensor,
     estimate: str = "opefo",
-    sum_sq_probs: torch.Tensor | None = None,
-    sum_sq_probs_log_probs: torch.Tensor | None = None,
+    moment2: torch.Tensor | None = None,
+    moment3: torch.Tensor | None = None,
     entropy_alignment: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token first-order entropy change d_t = A_t u_t of a policy-gradient step (fp32, detached, (B, T)).
@@ -131,7 +168,7 @@ def entropy_flow(
     ``advantages`` is (B,) sequence-level or (B, T) token-level; the other arguments as in
     ``flow_per_unit_advantage``.
     """
-    unit = flow_per_unit_advantage(logps, entropies, estimate, sum_sq_probs, sum_sq_probs_log_probs, entropy_alignment)
+    unit = flow_per_unit_advantage(logps, entropies, estimate, moment2, moment3, entropy_alignment)
     return _per_token(advantages.detach(), unit) * unit
 
 
@@ -140,7 +177,9 @@ class FlowStats:
     """Sums over a batch (and, once reduced, over all ranks) that define lambda*.
 
     increase = P (sum of f_t d_t over S+), decrease = N (sum of f_t |d_t| over S-), and the token counts of S+, S-
-    and of all tokens in the loss (f_t > 0). Everything is a sum so that ranks and micro-batches combine by addition.
+    and of all tokens in the loss (f_t > 0). ``bias_net``, when computed: sum of f_t A_t E_pi[u_t], the part of the net
+    flow P - N that the estimate's on-policy mean accounts for (``on_policy_mean``). Everything is a sum so that ranks
+    and micro-batches combine by addition.
     """
 
     increase: torch.Tensor
@@ -148,18 +187,20 @@ class FlowStats:
     increase_tokens: torch.Tensor
     decrease_tokens: torch.Tensor
     tokens: torch.Tensor
+    bias_net: torch.Tensor | None = None
 
     def to_tensor(self) -> torch.Tensor:
         """Pack into one fp64 vector (for a single all-reduce)."""
-        return torch.stack(
-            [self.increase, self.decrease, self.increase_tokens, self.decrease_tokens, self.tokens]
-        ).double()
+        sums = [self.increase, self.decrease, self.increase_tokens, self.decrease_tokens, self.tokens]
+        return torch.stack(sums if self.bias_net is None else [*sums, self.bias_net]).double()
 
     @classmethod
     def from_tensor(cls, packed: torch.Tensor) -> FlowStats:
         return cls(*packed.unbind(0))
 
     def __add__(self, other: FlowStats) -> FlowStats:
+        if (self.bias_net is None) != (other.bias_net is None):
+            raise ValueError("FlowStats: add sums that both have bias_net, or neither.")
         return FlowStats.from_tensor(self.to_tensor() + other.to_tensor().to(self.increase.device))
 
     @property
@@ -171,10 +212,24 @@ class FlowStats:
     def lambda_star(self) -> torch.Tensor:
         return lambda_star(self.increase, self.decrease)
 
+    @property
+    def lambda_bias(self) -> torch.Tensor | None:
+        """The part of lambda* = -(P - N) / (P + N) that the estimate's on-policy mean accounts for,
+        -bias_net / (P + N) (0 when nothing flows; None when bias_net was not computed).
+
+        >>> FlowStats(*torch.tensor([1.0, 3.0, 1.0, 1.0, 2.0, -1.0])).lambda_bias
+        tensor(0.2500)
+        """
+        if self.bias_net is None:
+            return None
+        total = self.increase + self.decrease
+        return torch.where(total > 0, -self.bias_net / total.clamp(min=torch.finfo(total.dtype).tiny), 0.0)
+
     def metrics(self, prefix: str = "entropy_flow/") -> dict[str, float]:
-        """The scalars TRL logs: lambda*, P, N, net flow and the token fractions of S+ and S-."""
+        """The scalars TRL logs: lambda*, P, N, net flow and the token fractions of S+ and S-; with ``bias_net`` also
+        the bias's part of the net flow and of lambda*, and lambda* net of it."""
         tokens = self.tokens.clamp(min=1)
-        return {
+        metrics = {
             f"{prefix}lambda": float(self.lambda_star),
             f"{prefix}increase": float(self.increase),
             f"{prefix}decrease": float(self.decrease),
@@ -182,6 +237,12 @@ class FlowStats:
             f"{prefix}increase_token_frac": float(self.increase_tokens / tokens),
             f"{prefix}decrease_token_frac": float(self.decrease_tokens / tokens),
         }
+        lambda_bias = self.lambda_bias
+        if self.bias_net is not None and lambda_bias is not None:
+            metrics[f"{prefix}bias_net"] = float(self.bias_net)
+            metrics[f"{prefix}lambda_bias"] = float(lambda_bias)
+            metrics[f"{prefix}lambda_net_of_bias"] = float(self.lambda_star - lambda_bias)
+        return metrics
 
     def shares_of(self, whole: FlowStats, prefix: str) -> dict[str, float]:
         """The shares of ``whole``'s increase flow, decrease flow and tokens that these sums (of a subset of its
@@ -203,10 +264,11 @@ class FlowStats:
 
 
 @torch.no_grad()
-def flow_stats(flow: torch.Tensor, factor: torch.Tensor) -> FlowStats:
+def flow_stats(flow: torch.Tensor, factor: torch.Tensor, bias: torch.Tensor | None = None) -> FlowStats:
     """P, N and the set sizes of the flow ``factor * flow`` of the tokens in the loss (factor > 0), as fp64 sums.
 
-    ``factor`` is a 0/1 loss mask or, more generally, the per-token factor of the applied update (>= 0).
+    ``factor`` is a 0/1 loss mask or, more generally, the per-token factor of the applied update (>= 0). ``bias``:
+    the per-token A_t E_pi[u_t] (``on_policy_mean``), summed like the flow into ``bias_net``; None leaves it out.
     """
     flow = flow.double()
     factor = factor.double()
@@ -219,6 +281,7 @@ def flow_stats(flow: torch.Tensor, factor: torch.Tensor) -> FlowStats:
         increase_tokens=increasing.sum().double(),
         decrease_tokens=decreasing.sum().double(),
         tokens=in_loss.sum().double(),
+        bias_net=None if bias is None else (factor * bias.double()).where(in_loss, 0.0).sum(),
     )
 
 

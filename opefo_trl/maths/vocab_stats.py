@@ -1,7 +1,8 @@
 """Full-vocabulary statistics of a softmax policy from hidden states and the LM head, in one chunked pass.
 
-Pure torch, no TRL import. The ``full`` entropy-flow estimate (docs/algorithm.md section 1) needs, per position,
-H, sum_k pi_k^2 and sum_k pi_k^2 log pi_k. Materialising [tokens, vocab] logits for a 151,936-token vocabulary
+Pure torch, no TRL import. The ``full`` and ``opefo_centered`` entropy-flow estimates and the on-policy mean of the
+others (docs/algorithm.md section 1) need, per position, H and the surprise-gap moments S_k = sum_v pi_v^k (log pi_v +
+H) for k = 2, 3, i.e. sum pi^k and sum pi^k log pi. Materialising [tokens, vocab] logits for a 151,936-token vocabulary
 is what blew up memory in early entropy logging, so the logits are produced in [token_chunk, vocab_chunk]
 tiles and folded into running sums with an online max, never more than one tile at a time:
 
@@ -10,8 +11,9 @@ tiles and folded into running sums with an online max, never more than one tile 
     Sz  <- r  (Sz  + (m - m') S)  + sum e (z - m')     (sums of e (z - m), kept relative to the running max
     S2  <- r^2 S2              + sum e^2               so that H is not a difference of two large numbers)
     S2z <- r^2 (S2z + (m - m') S2) + sum e^2 (z - m')
+    (S3, S3z likewise with e^3 and r^3)
 
-    log Z = m + log S;  H = log S - Sz / S;  sum pi^2 = S2 / S^2;  sum pi^2 log pi = (S2z - S2 log S) / S^2
+    log Z = m + log S;  H = log S - Sz / S;  sum pi^k = Sk / S^k;  sum pi^k log pi = (Skz - Sk log S) / S^k
 
 The logits are transformed exactly as TRL's fused head does: z = softcap(scale * (h W^T + b)) / temperature.
 
@@ -21,6 +23,10 @@ Example:
     >>> stats = vocab_stats(h, W, vocab_chunk_size=7)
     >>> p = torch.softmax(h @ W.T, -1)
     >>> bool(torch.allclose(stats.sum_sq_probs, (p * p).sum(-1), atol=1e-6))
+    True
+    >>> s2, s3 = stats.moments()
+    >>> gap = p.log() + stats.entropy.unsqueeze(-1)  # log pi_v + H
+    >>> bool(torch.allclose(s3, (p**3 * gap).sum(-1), atol=1e-6))
     True
 """
 
@@ -37,6 +43,16 @@ class VocabStats(NamedTuple):
     entropy: torch.Tensor
     sum_sq_probs: torch.Tensor
     sum_sq_probs_log_probs: torch.Tensor
+    sum_cube_probs: torch.Tensor
+    sum_cube_probs_log_probs: torch.Tensor
+
+    def moments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The surprise-gap moments (S_2, S_3), S_k = sum_v pi_v^k (log pi_v + H): what the vocabulary-based
+        entropy-flow estimates and the on-policy means need (``opefo_trl.maths.entropy_flow``)."""
+        return (
+            self.sum_sq_probs_log_probs + self.entropy * self.sum_sq_probs,
+            self.sum_cube_probs_log_probs + self.entropy * self.sum_cube_probs,
+        )
 
 
 def _transform_(z: torch.Tensor, logit_scale: float, softcap: float | None, temperature: float) -> torch.Tensor:
@@ -62,7 +78,7 @@ def vocab_stats(
     token_chunk_size: int = 512,
     vocab_chunk_size: int = 16384,
 ) -> VocabStats:
-    """Entropy, sum pi^2 and sum pi^2 log pi of softmax(z).
+    """Entropy, sum pi^k and sum pi^k log pi (k = 2, 3) of softmax(z).
 
     Args:
         hidden: (..., H) final hidden states.
@@ -85,13 +101,13 @@ def vocab_stats(
     flat = hidden.reshape(-1, hidden.shape[-1]).to(compute_dtype)
     num_tokens, vocab = flat.shape[0], weight.shape[0]
     device = flat.device
-    out = {name: torch.empty(num_tokens, device=device) for name in ("entropy", "s2", "s2l")}
+    out = {name: torch.empty(num_tokens, device=device) for name in ("entropy", "s2", "s2l", "s3", "s3l")}
 
     for t0 in range(0, num_tokens, token_chunk_size):
         h = flat[t0 : t0 + token_chunk_size]
         n = h.shape[0]
         m = torch.full((n,), float("-inf"), device=device)
-        s, sz, s2, s2z = (torch.zeros(n, device=device) for _ in range(4))
+        s, sz, s2, s2z, s3, s3z = (torch.zeros(n, device=device) for _ in range(6))
         for v0 in range(0, vocab, vocab_chunk_size):
             z = h @ weight[v0 : v0 + vocab_chunk_size].to(compute_dtype).T
             if bias is not None:
@@ -103,23 +119,31 @@ def vocab_stats(
             z.sub_(new_m.unsqueeze(1))  # z - m' in place: the tile is not needed unshifted any more
             e = z.exp()
             e_sum, e_z = e.sum(1), torch.linalg.vecdot(e, z)
-            e.square_()  # e^2 in place: one tile buffer serves both moments
-            e2_sum, e2_z = e.sum(1), torch.linalg.vecdot(e, z)
+            e_power = e.square()  # e^2, then e^3 in place: two tile buffers serve the three moments
+            e2_sum, e2_z = e_power.sum(1), torch.linalg.vecdot(e_power, z)
+            e_power.mul_(e)
+            e3_sum, e3_z = e_power.sum(1), torch.linalg.vecdot(e_power, z)
+            r2 = r * r
+            r3 = r2 * r
             sz = r * (sz + shift * s) + e_z
-            s2z = r * r * (s2z + shift * s2) + e2_z
+            s2z = r2 * (s2z + shift * s2) + e2_z
+            s3z = r3 * (s3z + shift * s3) + e3_z
             s = r * s + e_sum
-            s2 = r * r * s2 + e2_sum
+            s2 = r2 * s2 + e2_sum
+            s3 = r3 * s3 + e3_sum
             m = new_m
         log_s = s.log()
-        inv_s2 = s.reciprocal().square()
+        inv_s = s.reciprocal()
+        inv_s2 = inv_s.square()
+        inv_s3 = inv_s2 * inv_s
         sl = slice(t0, t0 + n)
         out["entropy"][sl] = log_s - sz / s
         out["s2"][sl] = s2 * inv_s2
         out["s2l"][sl] = (s2z - s2 * log_s) * inv_s2
+        out["s3"][sl] = s3 * inv_s3
+        out["s3l"][sl] = (s3z - s3 * log_s) * inv_s3
 
     def shaped(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(lead_shape)
 
-    return VocabStats(
-        entropy=shaped(out["entropy"]), sum_sq_probs=shaped(out["s2"]), sum_sq_probs_log_probs=shaped(out["s2l"])
-    )
+    return VocabStats(*(shaped(out[name]) for name in ("entropy", "s2", "s2l", "s3", "s3l")))

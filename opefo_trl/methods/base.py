@@ -58,7 +58,8 @@ class TokenBatch:
     off-policy and entropy masks; 0 for a token that is not in the loss). ``flow`` is d_t, the first-order entropy
     change of each token's update with the configured estimate (``opefo_trl.maths.entropy_flow``), when the method
     needs it. ``old_logps`` are the behaviour policy's when TRL tracks them (off-policy or vLLM correction), else None
-    (strict on-policy: the ratio is 1).
+    (strict on-policy: the ratio is 1). ``flow_bias`` is A_t E_pi[u_t], the part of d_t the estimate's on-policy mean
+    accounts for (``entropy_flow.on_policy_mean``), where the bias diagnostic is computed, else None.
     """
 
     logps: torch.Tensor
@@ -67,6 +68,7 @@ class TokenBatch:
     factor: torch.Tensor
     flow: torch.Tensor | None = None
     old_logps: torch.Tensor | None = None
+    flow_bias: torch.Tensor | None = None
 
     @property
     def in_loss(self) -> torch.Tensor:

@@ -130,7 +130,7 @@ class OPEFO(TokenMethod):
         lambda* = (N - P) / (N + P), P and N the factor-weighted flows of S+ and S- over the rollout batch, summed
         over ranks: the reweighted flow sums to 0."""
         flow = _flow(batch)
-        stats = FlowStats.from_tensor(context.reduce_sum(flow_stats(flow, batch.factor).to_tensor()))
+        stats = FlowStats.from_tensor(context.reduce_sum(flow_stats(flow, batch.factor, batch.flow_bias).to_tensor()))
         signs = weight_signs(flow, self.settings.opefo_sides)
         self.lambda_star = float(stats.lambda_star)
         metrics: dict[str, float] = {}
@@ -157,7 +157,7 @@ class OPEFO(TokenMethod):
             self._watched = None
             self.watch.warn_if_one_sided(stats)
             self._rollout_metrics["opefo/low_prob_flow_share"] = self.watch.observe(
-                batch, flow, weights, float(stats.lambda_star), context.reduce_sum
+                batch, flow, weights, stats, context.reduce_sum
             )
         # Logged on every optimizer step, also when one rollout batch serves several (off-policy opt-in).
         self.metrics = dict(self._rollout_metrics)

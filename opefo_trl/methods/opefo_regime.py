@@ -35,7 +35,8 @@ class RegimeSettings:
         "Warn once when |lambda*| averaged over the last 20 optimizer steps exceeds this (before 20 steps: when "
         "the steps so far show it, from the third on, at 95 percent confidence): the paper's lambda* is "
         "~1e-3, and a large one means the entropy flow is far from balanced, so OPEFO's reweighting is no longer a "
-        "small correction.",
+        "small correction. Where the estimate's bias is computed (entropy_flow_bias_diagnostics), lambda* net of it "
+        "(entropy_flow/lambda_net_of_bias) is judged, and the warning gives both parts.",
     )
 
     def check_regime(self) -> None:
@@ -73,6 +74,8 @@ class RegimeWatch:
     def __init__(self, settings: Any, flow_estimate: str) -> None:
         self.settings, self.flow_estimate = settings, flow_estimate
         self._recent_lambdas: deque[float] = deque(maxlen=self.WINDOW)
+        self._recent_bias: deque[float] = deque(maxlen=self.WINDOW)  # |lambda_bias|, where computed
+        self._net_of_bias = False  # whether _recent_lambdas holds lambda* net of the estimate's bias
         self._recent_low_prob: deque[float] = deque(maxlen=self.WINDOW)
         self._first_entropy: float | None = None
         self._pending_warnings: list[str] = []
@@ -84,12 +87,18 @@ class RegimeWatch:
         batch: TokenBatch,
         flow: torch.Tensor,
         weights: torch.Tensor,
-        lambda_star: float,
+        stats: FlowStats,
         reduce_sum: ReduceSum,
     ) -> float:
-        """Record a weighed rollout batch; returns the share of its reweighted flow carried by negligible-probability
-        tokens (opefo/low_prob_flow_share)."""
-        self._recent_lambdas.append(abs(lambda_star))
+        """Record a weighed rollout batch and its flow sums (over ranks); returns the share of its reweighted flow
+        carried by negligible-probability tokens (opefo/low_prob_flow_share)."""
+        lambda_bias = stats.lambda_bias
+        self._net_of_bias = lambda_bias is not None
+        if lambda_bias is None:
+            self._recent_lambdas.append(abs(float(stats.lambda_star)))
+        else:
+            self._recent_lambdas.append(abs(float(stats.lambda_star - lambda_bias)))
+            self._recent_bias.append(abs(float(lambda_bias)))
         in_loss = batch.in_loss.double()
         # Where the reweighted flow sits: the share of it carried by tokens sampled with negligible probability.
         moved = (batch.factor.double() * flow.double() * weights.double()).abs()
@@ -166,8 +175,19 @@ class RegimeWatch:
         large, steps = self._verdict(self._recent_lambdas, self.settings.opefo_lambda_warn)
         if "lambda" not in self._warned and large:
             self._warned.add("lambda")
+            if self._net_of_bias:
+                bias = sum(self._recent_bias) / max(len(self._recent_bias), 1)
+                judged = (
+                    f"|lambda*| net of the estimate's on-policy bias (entropy_flow/lambda_net_of_bias; the bias's own "
+                    f"part, entropy_flow/lambda_bias, averaged {bias:.3g} in absolute value)"
+                )
+            else:
+                judged = (
+                    "|lambda*| (with any bias of the estimate in it: entropy_flow_bias_diagnostics is off or the "
+                    "estimate has none to compute)"
+                )
             self._pending_warnings.append(
-                f"{REGIME_GUARD}|lambda*| averaged {steps} is {mean:.3g} "
+                f"{REGIME_GUARD}{judged} averaged {steps} is {mean:.3g} "
                 f"(> opefo_lambda_warn={self.settings.opefo_lambda_warn:g}); in the OPEFO paper lambda* stays around "
                 f"2.5e-4..1.75e-3, while balancing these batches takes token weights of 1 +/- {mean:.2f}, which can "
                 f"fight the learning signal instead of gently correcting it. {self._advice()} docs/algorithm.md ('The "

@@ -22,14 +22,14 @@ MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "token_type_i
 
 @dataclass
 class Scores:
-    """One scoring forward's per-token statistics of the completion tokens, (B, T) each: log pi_t and H_t, for the
-    `full` estimate sum_k pi_k^2 and sum_k pi_k^2 log pi_k, and with ``entropy_flow_entropy='task_tokens'`` the
+    """One scoring forward's per-token statistics of the completion tokens, (B, T) each: log pi_t and H_t, where the
+    estimate or its bias diagnostic needs them the surprise-gap moments S_2 and S_3 (``VocabStats.moments``), and with ``entropy_flow_entropy='task_tokens'`` the
     entropy of the policy renormalised over the task's tokens."""
 
     logps: torch.Tensor
     entropies: torch.Tensor
-    sum_sq_probs: torch.Tensor | None = None
-    sum_sq_probs_log_probs: torch.Tensor | None = None
+    moment2: torch.Tensor | None = None
+    moment3: torch.Tensor | None = None
     token_set_entropies: torch.Tensor | None = None
 
     @property
@@ -44,14 +44,12 @@ class Scores:
         def apply(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else function(t)
 
-        sum_sq, sum_sq_log = map(apply, self.vocab)
-        return Scores(
-            function(self.logps), function(self.entropies), sum_sq, sum_sq_log, apply(self.token_set_entropies)
-        )
+        moment2, moment3 = map(apply, self.moments)
+        return Scores(function(self.logps), function(self.entropies), moment2, moment3, apply(self.token_set_entropies))
 
     @property
-    def vocab(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return self.sum_sq_probs, self.sum_sq_probs_log_probs
+    def moments(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.moment2, self.moment3
 
 
 @dataclass(frozen=True)
@@ -60,7 +58,8 @@ class MicroBatchState:
 
     ``advantages``: the unweighted GRPO advantages per token (B, T), fp32 (TRL's ``advantages`` then holds the
     weighted ones). ``factor`` / ``unit_flow``: f_t and u_t (``opefo_trl.maths.entropy_flow``) at the rollout's
-    parameters. ``deferred``: the rollout is this one micro-batch, whose weights are computed from its training forward
+    parameters; ``unit_bias``: E_pi[u_t] at each position (``entropy_flow.on_policy_mean``) where the bias diagnostic
+    is computed. ``deferred``: the rollout is this one micro-batch, whose weights are computed from its training forward
     instead (same parameters, one forward fewer); factor and flow are then computed there too. ``audit_entropies``:
     the entropies before the update, taken in full precision by the `param` estimate (None: the audit takes the
     training forward's). ``served`` / ``gradient``: when the rollout pass already has the gradient of the loss TRL
@@ -71,6 +70,7 @@ class MicroBatchState:
     advantages: torch.Tensor
     factor: torch.Tensor | None = None
     unit_flow: torch.Tensor | None = None
+    unit_bias: torch.Tensor | None = None
     deferred: bool = False
     audit_entropies: torch.Tensor | None = None
     served: Scores | None = None
@@ -88,4 +88,5 @@ class RolloutItem:
     full_precision: Scores | None = None  # the estimate's own (detached) scores of the micro-batch
     factor: torch.Tensor | None = None
     unit_flow: torch.Tensor | None = None
+    unit_bias: torch.Tensor | None = None
     audit_entropies: torch.Tensor | None = None

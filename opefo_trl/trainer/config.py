@@ -23,7 +23,12 @@ check_installed_trl()
 from trl import GRPOConfig  # noqa: E402
 
 from opefo_trl.experimental.task_tokens import check_task_tokens  # noqa: E402
-from opefo_trl.maths.entropy_flow import FLOW_ESTIMATES, check_choice  # noqa: E402
+from opefo_trl.maths.entropy_flow import (  # noqa: E402
+    BIASED_ESTIMATES,
+    FLOW_ESTIMATES,
+    VOCABULARY_ESTIMATES,
+    check_choice,
+)
 from opefo_trl.methods import (  # noqa: E402
     BUILTIN_METHODS,
     DEFAULT_METHOD,
@@ -55,8 +60,9 @@ class EntropyFlowSettings:
     entropy_flow_estimate: str = setting(
         "opefo",
         "Per-token first-order entropy-change estimate used by OPEFO and the diagnostics: 'opefo' "
-        "(-A (1-pi)^2 (log pi + H), the paper's), 'onaction', 'sign', 'full' (exact first order of a tabular softmax; "
-        "two extra vocabulary reductions per token), or 'param' (exact first order through the network's trainable "
+        "(-A (1-pi)^2 (log pi + H), our reconstruction of the paper's; its on-policy mean is not zero), "
+        "'opefo_centered' (the same less its on-policy mean 2 S_2 - S_3 at each position; a vocabulary pass), "
+        "'onaction', 'sign', 'full' (exact first order of a tabular softmax; a vocabulary pass), or 'param' (exact first order through the network's trainable "
         "parameters by forward-mode AD: per micro-batch a gradient forward with two backwards and a forward-mode "
         "pass, in the parameters' precision).",
     )
@@ -79,6 +85,14 @@ class EntropyFlowSettings:
         True,
         "Log the entropy flow every optimizer step produces (entropy_flow/lambda, increase, decrease, net, token "
         "fractions) for every method. Cheap for the log-prob based estimates.",
+    )
+    entropy_flow_bias_diagnostics: bool = setting(
+        True,
+        "With the diagnostics (and in OPEFO's regime guard), also log the part of the net flow and of lambda* that "
+        "the estimate's on-policy mean accounts for: entropy_flow/bias_net (sum of f_t A_t E_pi[u_t]), "
+        "entropy_flow/lambda_bias and entropy_flow/lambda_net_of_bias (docs/metrics.md). For 'opefo' and 'onaction', "
+        "whose on-policy mean is not zero, it takes the vocabulary pass 'full' takes; for 'opefo_centered', 'full' and "
+        "'sign' the bias is 0 exactly and costs nothing; 'param' has none.",
     )
     entropy_flow_task_tokens: list[int] | None = setting(
         None,
@@ -103,10 +117,8 @@ class EntropyFlowSettings:
         "entropy_flow_probe_rollouts > 1 the measured tokens are the probe's (this batch and the earlier ones). One "
         "no-grad forward per audited step.",
     )
-    vocab_stats_token_chunk_size: int = setting(512, "Tokens per tile of the `full` estimate's vocabulary pass.")
-    vocab_stats_vocab_chunk_size: int = setting(
-        16384, "Vocabulary entries per tile of the `full` estimate's vocabulary pass."
-    )
+    vocab_stats_token_chunk_size: int = setting(512, "Tokens per tile of the vocabulary pass (S_2, S_3).")
+    vocab_stats_vocab_chunk_size: int = setting(16384, "Vocabulary entries per tile of the vocabulary pass (S_2, S_3).")
 
 
 # The settings of every built-in method are bases, so that registering a built-in method in opefo_trl.methods is
@@ -197,16 +209,17 @@ def _uses_fsdp(args) -> bool:
 def check_estimate_backend(estimate: str, *, deepspeed: bool, fsdp: bool, compiled: bool = False) -> None:
     """Refuse an entropy-flow estimate the training backend cannot run, naming what to use instead (called with the
     configuration's flags and again by the trainer with accelerate's state)."""
-    if estimate == "full" and compiled:
+    if estimate in VOCABULARY_ESTIMATES and compiled:
         raise ValueError(
-            "entropy_flow_estimate='full' reads the backbone's hidden states through a forward hook, which a compiled "
-            "model does not run. Set torch_compile=False, or use a log-prob estimate ('opefo', 'onaction', 'sign')."
+            f"entropy_flow_estimate={estimate!r} reads the backbone's hidden states through a forward hook, which a "
+            "compiled model does not run. Set torch_compile=False, or use a log-prob estimate ('opefo', 'onaction', "
+            "'sign')."
         )
-    if estimate in ("full", "param") and fsdp:
+    if (estimate in VOCABULARY_ESTIMATES or estimate == "param") and fsdp:
         raise ValueError(
             f"entropy_flow_estimate={estimate!r} is not supported under FSDP (the LM head and the parameters are "
-            "sharded outside the forward). Use DDP (recipes/accelerate/ddp.yaml), DeepSpeed ZeRO-3 for 'full', or a "
-            "log-prob estimate ('opefo', 'onaction', 'sign')."
+            f"sharded outside the forward). Use DDP (recipes/accelerate/ddp.yaml), DeepSpeed ZeRO-3 for {estimate!r} "
+            "(unless 'param'), or a log-prob estimate ('opefo', 'onaction', 'sign')."
         )
     if estimate == "param" and deepspeed:
         raise ValueError(
@@ -350,6 +363,31 @@ def validate_opefo_settings(args) -> None:
             fsdp=_uses_fsdp(args),
             compiled=args.torch_compile,
         )
+        _check_bias_backend(args)
+
+
+def needs_moments(args) -> bool:
+    """Whether the flow needs the surprise-gap moments S_2, S_3 (a vocabulary pass): the estimate does, or its bias
+    diagnostic does (an estimate whose on-policy mean is not zero)."""
+    estimate = args.entropy_flow_estimate
+    return estimate in VOCABULARY_ESTIMATES or (args.entropy_flow_bias_diagnostics and estimate in BIASED_ESTIMATES)
+
+
+def _check_bias_backend(args) -> None:
+    """The bias diagnostic of a log-prob estimate needs the vocabulary pass: where the backend cannot run it (FSDP, a
+    compiled model) it is switched off with one warning, and training goes on."""
+    if not (args.entropy_flow_bias_diagnostics and args.entropy_flow_estimate in BIASED_ESTIMATES):
+        return
+    backend = "FSDP" if _uses_fsdp(args) else "torch_compile=True" if args.torch_compile else None
+    if backend is None:
+        return
+    args.entropy_flow_bias_diagnostics = False
+    warnings.warn(
+        f"entropy_flow_bias_diagnostics needs a vocabulary pass over the LM head, which {backend} does not allow: the "
+        f"bias part of lambda* (entropy_flow/lambda_bias) is not logged for entropy_flow_estimate="
+        f"{args.entropy_flow_estimate!r} in this run (entropy_flow_bias_diagnostics=False). Training goes on.",
+        stacklevel=3,
+    )
 
 
 def _check_param_optimizer(args) -> None:

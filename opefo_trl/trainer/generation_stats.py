@@ -29,7 +29,7 @@ CACHE_ARGUMENTS = ("cache", "past_key_values")
 
 class GenerationStats:
     """Records, while the policy generates, log pi and H of each sampled token at ``temperature`` (with ``vocab``,
-    also sum_k pi_k^2 and sum_k pi_k^2 log pi_k, the `full` estimate's vocabulary sums)."""
+    also the surprise-gap moments S_2, S_3 of ``VocabStats.moments``)."""
 
     def __init__(self, temperature: float, vocab: bool = False):
         self.temperature, self.vocab = temperature, vocab
@@ -69,10 +69,12 @@ class GenerationStats:
         logp = self._pending
         probs = logp.exp()
         self._logps.append(logp.gather(-1, tokens[:, None].to(logp.device))[:, 0])
-        self._entropies.append(-(probs * logp).sum(-1))
+        entropy = -(probs * logp).sum(-1)
+        self._entropies.append(entropy)
         if self.vocab:
-            squares = probs.square()
-            self._sums.append((squares.sum(-1), (squares * logp).sum(-1)))
+            weighted_gap = probs.square() * (logp + entropy[:, None])  # pi^2 (log pi + H), then pi^3 (...)
+            moment2 = weighted_gap.sum(-1)
+            self._sums.append((moment2, weighted_gap.mul_(probs).sum(-1)))
         self._pending = None
 
     def scores(self, completion_ids: torch.Tensor) -> Scores | None:

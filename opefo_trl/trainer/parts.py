@@ -27,7 +27,7 @@ from opefo_trl.maths.ranks import ReduceSum
 from opefo_trl.methods import TokenMethod
 from opefo_trl.trainer import model_setup
 from opefo_trl.trainer.checks import RewardCheck
-from opefo_trl.trainer.config import uses_loss_factor
+from opefo_trl.trainer.config import needs_moments, uses_loss_factor
 from opefo_trl.trainer.generation_stats import GenerationStats
 from opefo_trl.trainer.loss_mirror import LossMirror, trl_scores_rollout
 from opefo_trl.trainer.scoring import Scorer
@@ -138,10 +138,14 @@ def build_parts(trainer: Any, probe_prompts: Any = None) -> Parts:
             "writing the rollout's gradient, and the step balance does not include those terms.",
             stacklevel=3,
         )
+    moments = needs_moments(args)
+    bias = args.entropy_flow_bias_diagnostics and estimate in TABULAR_ESTIMATES
     if rollout_flow:
         rollout = RolloutWeigher(
             method,
             estimate,
+            moments,
+            bias,
             loss_mirror,
             scorer,
             param_estimate,
@@ -150,11 +154,13 @@ def build_parts(trainer: Any, probe_prompts: Any = None) -> Parts:
             num_iterations=trainer.num_iterations,
             trl_scores_rollout=trl_scores,
             writes_gradient=writes_gradient,
-            generation=GenerationStats(trainer.temperature, estimate == "full") if reads_generation else None,
+            generation=GenerationStats(trainer.temperature, moments) if reads_generation else None,
         )
     micro_batches = MicroBatchWeigher(
         method,
         estimate,
+        moments,
+        bias,
         args.entropy_flow_diagnostics,
         rollout_flow,
         loss_mirror,

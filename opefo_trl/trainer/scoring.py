@@ -92,7 +92,7 @@ class Scorer:
         return core_model(self.unwrap(self.model()))
 
     def score(self, batch: dict, *, vocab: bool = False) -> Scores:
-        """TRL's no-grad scoring pass in the training precision (with ``vocab``, the vocabulary sums too)."""
+        """TRL's no-grad scoring pass in the training precision (with ``vocab``, the surprise-gap moments too)."""
         input_ids, attention_mask, length = sequence(batch)
         model = self.model()
         with (
@@ -103,7 +103,7 @@ class Scorer:
             logps, entropies, _ = self.trl_score(
                 model, input_ids, attention_mask, length, batch_size=self.batch_size, compute_entropy=True
             )
-        return Scores(logps, entropies, *self.vocab_stats(hidden, length))
+        return Scores(logps, entropies, *self.moments(hidden, length))
 
     def score_full_precision(self, batch: dict) -> Scores:
         """log pi_t and H_t (and the entropy over ``entropy_tokens``) in the parameters' precision, autocast off;
@@ -183,11 +183,9 @@ class Scorer:
             handle.remove()
 
     @torch.no_grad()
-    def vocab_stats(
-        self, hidden: list[torch.Tensor], logits_to_keep: int
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """sum pi^2 and sum pi^2 log pi at the completion positions, (B, T), from captured hidden states (None, None
-        without), in the precision of TRL's fused head (its autocast dtype, or fp32 with ``head_in_float32``)."""
+    def moments(self, hidden: list[torch.Tensor], logits_to_keep: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The surprise-gap moments S_2, S_3 at the completion positions, (B, T), from captured hidden states (None,
+        None without), in the precision of TRL's fused head (its autocast dtype, or fp32 with ``head_in_float32``)."""
         if not hidden:
             return None, None
         core = self.core()
@@ -214,4 +212,4 @@ class Scorer:
                 token_chunk_size=self.token_chunk_size,
                 vocab_chunk_size=self.vocab_chunk_size,
             )
-        return stats.sum_sq_probs, stats.sum_sq_probs_log_probs
+        return stats.moments()

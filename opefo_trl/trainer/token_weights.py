@@ -44,7 +44,14 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 
 from opefo_trl.experimental.stand_ins import served_scores, write_gradient
-from opefo_trl.maths.entropy_flow import TABULAR_ESTIMATES, FlowStats, flow_per_unit_advantage, flow_stats
+from opefo_trl.maths.entropy_flow import (
+    BIASED_ESTIMATES,
+    TABULAR_ESTIMATES,
+    FlowStats,
+    flow_per_unit_advantage,
+    flow_stats,
+    on_policy_mean,
+)
 from opefo_trl.maths.ranks import ReduceSum
 from opefo_trl.methods import MethodContext, TokenBatch, TokenMethod, decide_rollout_weights
 from opefo_trl.trainer.batch_state import MULTIMODAL_KEYS, STATE_KEY, MicroBatchState, RolloutItem, Scores
@@ -56,10 +63,10 @@ if TYPE_CHECKING:  # the parts a weigher is handed (they import this module's da
     from opefo_trl.experimental.param_estimate import ParamEstimate
     from opefo_trl.trainer.generation_stats import GenerationStats
 
-#: The keys of TRL's rollout dict under which the rollout's captured log pi_t, H_t and `full` sums travel to its
-#: weighing, which takes them out: when TRL returns the rollout, or at its first loss, through TRL's shuffle and split
-#: (``Scores``'s fields in order; the sums only with the `full` estimate).
-CARRIED_KEYS = ("opefo_logps", "opefo_entropies", "opefo_sum_sq_probs", "opefo_sum_sq_probs_log_probs")
+#: The keys of TRL's rollout dict under which the rollout's captured log pi_t, H_t and surprise-gap moments travel to
+#: its weighing, which takes them out: when TRL returns the rollout, or at its first loss, through TRL's shuffle and
+#: split (``Scores``'s fields in order; the moments only where they are computed).
+CARRIED_KEYS = ("opefo_logps", "opefo_entropies", "opefo_moment2", "opefo_moment3")
 
 #: TRL's scoring call of the hook in progress, with entropies: () -> (logps, entropies, aux_loss).
 TrlScoringCall = Callable[[], tuple]
@@ -74,15 +81,25 @@ def carried_scores(batch: dict, pop: bool = False) -> Scores | None:
     """The captured statistics a (rollout or micro-batch) dict carries (``CARRIED_KEYS``), taken out with ``pop``;
     None when it carries none."""
     take = batch.pop if pop else batch.get
-    logps, entropies, sum_sq, sum_sq_log = (take(key, None) for key in CARRIED_KEYS)
+    logps, entropies, moment2, moment3 = (take(key, None) for key in CARRIED_KEYS)
     if logps is None or entropies is None:
         return None
-    return Scores(logps, entropies, sum_sq, sum_sq_log)
+    return Scores(logps, entropies, moment2, moment3)
+
+
+def unit_bias(estimate: str, scores: Scores) -> torch.Tensor:
+    """E_pi[u_t] at each position (``entropy_flow.on_policy_mean``): from the moments for an estimate whose on-policy
+    mean is not zero, 0 exactly (and no moments needed) for the other tabular estimates."""
+    if estimate not in BIASED_ESTIMATES:
+        return torch.zeros_like(scores.logps, dtype=torch.float32)
+    moment2, moment3 = scores.moments
+    assert moment2 is not None and moment3 is not None  # the bias diagnostic turns the vocabulary pass on
+    return on_policy_mean(estimate, moment2, moment3)
 
 
 #: The keys under which a rollout weighed before TRL's split carries its ``MicroBatchState`` (advantages, factor,
-#: unit flow; (B, T) each) through TRL's shuffle and split.
-CARRIED_STATE_KEYS = ("opefo_advantages", "opefo_factor", "opefo_unit_flow")
+#: unit flow, unit bias where computed; (B, T) each) through TRL's shuffle and split.
+CARRIED_STATE_KEYS = ("opefo_advantages", "opefo_factor", "opefo_unit_flow", "opefo_unit_bias")
 
 
 def carry_state(batch: dict, state: MicroBatchState) -> None:
@@ -90,7 +107,8 @@ def carry_state(batch: dict, state: MicroBatchState) -> None:
     per-row tensors travel there, so only a state made of them."""
     if state.deferred or state.audit_entropies is not None or state.served is not None or state.gradient is not None:
         raise ValueError("Only advantages, factor and unit flow travel through TRL's split; weigh after the split.")
-    batch.update(zip(CARRIED_STATE_KEYS, (state.advantages, state.factor, state.unit_flow), strict=True))
+    values = (state.advantages, state.factor, state.unit_flow, state.unit_bias)
+    batch.update((key, value) for key, value in zip(CARRIED_STATE_KEYS, values, strict=True) if value is not None)
 
 
 def micro_batch_state(batch: dict, pop: bool = False) -> MicroBatchState | None:
@@ -105,8 +123,8 @@ def micro_batch_state(batch: dict, pop: bool = False) -> MicroBatchState | None:
     if STATE_KEY in batch:
         return batch[STATE_KEY]
     take = batch.pop if pop else batch.get
-    advantages, factor, unit_flow = (take(key, None) for key in CARRIED_STATE_KEYS)
-    return None if advantages is None else MicroBatchState(advantages, factor, unit_flow)
+    advantages, factor, unit_flow, bias = (take(key, None) for key in CARRIED_STATE_KEYS)
+    return None if advantages is None else MicroBatchState(advantages, factor, unit_flow, bias)
 
 
 class ScoringObserver(Protocol):
@@ -119,15 +137,15 @@ class ScoringObserver(Protocol):
 
 
 def scoring_call(
-    scorer: Scorer, trl_score: TrlScoringCall, logits_to_keep: int, vocab: bool, served: tuple | None = None
+    scorer: Scorer, trl_score: TrlScoringCall, logits_to_keep: int, moments: bool, served: tuple | None = None
 ) -> tuple[tuple, tuple]:
-    """TRL's scoring call (``served`` instead, when given), and with ``vocab`` the `full` estimate's vocabulary sums
-    from the hidden states of its forward ((None, None) without)."""
-    if not vocab:
+    """TRL's scoring call (``served`` instead, when given), and with ``moments`` the surprise-gap moments S_2, S_3 from
+    the hidden states of its forward ((None, None) without)."""
+    if not moments:
         return served or trl_score(), (None, None)
     with scorer.capture_hidden_states(True) as hidden:
         result = served or trl_score()
-    return result, scorer.vocab_stats(hidden, logits_to_keep)
+    return result, scorer.moments(hidden, logits_to_keep)
 
 
 @dataclass
@@ -137,15 +155,15 @@ class RolloutCapture:
 
     ref_model: Any
     scorer: Scorer
-    needs_vocab_stats: bool
+    needs_moments: bool
     scores: Scores | None = None
 
     def accepts(self, model: Any) -> bool:
         return self.scores is None and model is not self.ref_model
 
     def scored(self, trl_score: TrlScoringCall, logits_to_keep: int) -> tuple:
-        result, vocab = scoring_call(self.scorer, trl_score, logits_to_keep, self.needs_vocab_stats)
-        self.scores = Scores(result[0].detach(), result[1].detach(), *vocab)
+        result, moments = scoring_call(self.scorer, trl_score, logits_to_keep, self.needs_moments)
+        self.scores = Scores(result[0].detach(), result[1].detach(), *moments)
         return result  # TRL's pass runs as it would
 
 
@@ -153,6 +171,8 @@ class RolloutWeigher:
     """Args:
     method: the token method.
     estimate: ``entropy_flow_estimate``.
+    moments: the flow needs the surprise-gap moments (``config.needs_moments``).
+    bias: the flow's on-policy mean is computed (``entropy_flow_bias_diagnostics``, a tabular estimate).
     loss: TRL's loss factor; ``scorer``: the trainer's scoring forwards.
     param: the `param` estimate (None with a tabular estimate).
     audit: keeps the `param` estimate of an audited step.
@@ -172,6 +192,8 @@ class RolloutWeigher:
         self,
         method: TokenMethod,
         estimate: str,
+        moments: bool,
+        bias: bool,
         loss: LossMirror,
         scorer: Scorer,
         param: ParamEstimate | None,
@@ -183,6 +205,7 @@ class RolloutWeigher:
         generation: GenerationStats | None = None,
     ):
         self.method, self.estimate, self.loss, self.scorer = method, estimate, loss, scorer
+        self.moments, self.bias = moments, bias
         self.param, self.audit, self.reduce_sum = param, audit, reduce_sum
         self.num_iterations, self.trl_scores_rollout = num_iterations, trl_scores_rollout
         self.writes_gradient, self.generation = writes_gradient, generation
@@ -210,7 +233,7 @@ class RolloutWeigher:
         """What observes TRL's old-log-prob pass of the rollout about to be generated (None: TRL runs none)."""
         if not self.trl_scores_rollout:
             return None
-        return RolloutCapture(ref_model, self.scorer, needs_vocab_stats=self.estimate == "full")
+        return RolloutCapture(ref_model, self.scorer, needs_moments=self.moments)
 
     def recording(self, model: Callable[[], Any]) -> AbstractContextManager:
         """The block in which TRL generates the rollout: generation's logits are read there (``generation``) from the
@@ -232,7 +255,7 @@ class RolloutWeigher:
         elif self.generation is not None:
             captured = self.generation.scores(output["completion_ids"])
         if captured is not None:
-            values = (captured.logps, captured.entropies, captured.sum_sq_probs, captured.sum_sq_probs_log_probs)
+            values = (captured.logps, captured.entropies, *captured.moments)
             output.update((key, value) for key, value in zip(CARRIED_KEYS, values, strict=True) if value is not None)
         if self.weighs_before_split:
             self.weigh([output], split_into=self.loss.steps_per_generation)
@@ -289,7 +312,7 @@ class RolloutWeigher:
                 self.audit.keep_batch(probe.batch, entropies, full_precision=True)  # the audit measures the probe too
         elif not captured:
             for item in items:
-                item.scores = self.scorer.score(item.batch, vocab=self.estimate == "full").detached()
+                item.scores = self.scorer.score(item.batch, vocab=self.moments).detached()
         rows = None if split_into is None else len(items[0].advantages) // split_into
         token_batches = [
             self._flow(item, None if flow is None else flow.alignment[i], rows) for i, item in enumerate(items)
@@ -305,6 +328,7 @@ class RolloutWeigher:
                 item.advantages,
                 item.factor,
                 item.unit_flow,
+                item.unit_bias,
                 audit_entropies=item.audit_entropies,
                 served=None if gradient is None else item.scores,  # stand-ins for TRL's pass (stand_ins.py)
                 gradient=gradient if i == 0 else None,
@@ -323,9 +347,9 @@ class RolloutWeigher:
         assert scores is not None  # carried, from the `param` estimate or from the scoring pass above
         if item.factor is None:
             item.factor = self.loss.factor(item.batch, scores.logps, scores.entropies, item.advantages, rows)
-        item.unit_flow = flow_per_unit_advantage(
-            scores.logps, scores.entropies, self.estimate, scores.sum_sq_probs, scores.sum_sq_probs_log_probs, alignment
-        )
+        item.unit_flow = flow_per_unit_advantage(scores.logps, scores.entropies, self.estimate, *scores.moments, alignment)
+        if self.bias:
+            item.unit_bias = unit_bias(self.estimate, scores)
         return TokenBatch(
             logps=scores.logps,
             entropies=scores.entropies,
@@ -333,6 +357,7 @@ class RolloutWeigher:
             factor=item.factor,
             flow=item.advantages * item.unit_flow,
             old_logps=item.batch.get("old_per_token_logps"),
+            flow_bias=None if item.unit_bias is None else item.advantages * item.unit_bias,
         )
 
 
@@ -349,6 +374,7 @@ def _joined(parts: list[TokenBatch]) -> TokenBatch:
         factor=torch.cat([part.factor for part in parts]),
         flow=rows([part.flow for part in parts]),
         old_logps=rows([part.old_logps for part in parts]),
+        flow_bias=rows([part.flow_bias for part in parts]),
     )
 
 
@@ -360,7 +386,7 @@ class LossCall:
         self.weigher = weigher
         self.inputs = dict(inputs)
         self.state: MicroBatchState | None = micro_batch_state(self.inputs, pop=True)
-        self.needs_vocab_stats = weigher.needs_vocab_stats(self.state)
+        self.needs_moments = weigher.needs_moments(self.state)
         self.extra_loss: torch.Tensor | None = None
         self.factor_loss: torch.Tensor | None = None  # per token, already weighted by f_t (times the ranks)
         self.weighted = False  # the deferred rollout weights were applied
@@ -376,8 +402,8 @@ class LossCall:
         """TRL's scoring of the micro-batch, or, when the rollout pass already has the step's gradient, the estimate's
         scores standing in for it (``stand_ins.served_scores`` says when that is exact); the method applied to it."""
         served = None if self.state is None or self.state.served is None else served_scores(self.state.served)
-        result, vocab = scoring_call(self.weigher.scorer, trl_score, logits_to_keep, self.needs_vocab_stats, served)
-        self.weigher.apply(self, result[0], result[1], vocab)
+        result, moments = scoring_call(self.weigher.scorer, trl_score, logits_to_keep, self.needs_moments, served)
+        self.weigher.apply(self, result[0], result[1], moments)
         return result
 
 
@@ -385,6 +411,7 @@ class MicroBatchWeigher:
     """Args:
     method: the token method.
     estimate: ``entropy_flow_estimate``; ``diagnostics``: ``entropy_flow_diagnostics``.
+    moments, bias: as for ``RolloutWeigher``.
     rollout_flow: the rollout pass computes factor and flow (then the loss reads them from the micro-batch's state).
     loss: TRL's loss factor and aggregation; ``scorer``: the `full` estimate's vocabulary pass over the forward.
     reduce_sum: sums a tensor over ranks; ``log_metrics``: where metrics go; ``main_process``: warnings go there.
@@ -399,6 +426,8 @@ class MicroBatchWeigher:
         self,
         method: TokenMethod,
         estimate: str,
+        moments: bool,
+        bias: bool,
         diagnostics: bool,
         rollout_flow: bool,
         loss: LossMirror,
@@ -411,6 +440,7 @@ class MicroBatchWeigher:
         check_mirror: bool = True,
     ):
         self.method, self.estimate, self.diagnostics, self.rollout_flow = method, estimate, diagnostics, rollout_flow
+        self.moments, self.bias = moments, bias
         self.loss, self.scorer, self.log_metrics, self.main_process = loss, scorer, log_metrics, main_process
         self.params, self.task_tokens, self.check_mirror = params, task_tokens, check_mirror
         self.mirror_difference: float | None = None  # what the one-time check found
@@ -418,33 +448,43 @@ class MicroBatchWeigher:
         self.step_flow: FlowStats | None = None  # the unweighted (GRPO) update's flow, summed over the step
         self.step_off_task: FlowStats | None = None  # its part sampled outside the task's tokens
 
-    def needs_vocab_stats(self, state: MicroBatchState | None) -> bool:
-        """Whether the loss forward's `full` statistics are needed (the rollout pass did not compute them)."""
+    def needs_moments(self, state: MicroBatchState | None) -> bool:
+        """Whether the loss forward's surprise-gap moments are needed (the rollout pass did not compute them)."""
         deferred = state is not None and state.deferred
-        return self.estimate == "full" and (deferred or (self.diagnostics and not self.rollout_flow))
+        return self.moments and (deferred or (self.diagnostics and not self.rollout_flow))
 
     def loss_call(self, inputs: dict) -> LossCall:
         return LossCall(self, inputs)
 
-    def apply(self, call: LossCall, logps: torch.Tensor, entropies: torch.Tensor, vocab: tuple) -> None:
+    def apply(self, call: LossCall, logps: torch.Tensor, entropies: torch.Tensor, moments: tuple) -> None:
         """The method's weights and extra loss for the micro-batch, from the training forward's log pi_t and H_t."""
         inputs, state = call.inputs, call.state
         deferred = state is not None and state.deferred
         logps_detached, entropies = logps.detach(), entropies.detach()
         original = per_token(inputs["advantages"], logps_detached).float() if state is None else state.advantages
         if state is not None and not deferred:  # computed for the whole rollout batch
-            unit, factor = state.unit_flow, state.factor
+            unit, bias, factor = state.unit_flow, state.unit_bias, state.factor
             assert factor is not None  # the rollout pass sets both
         else:
             factor = self.loss.factor(inputs, logps_detached, entropies, inputs["advantages"])
-            unit = None
+            unit = bias = None
             if deferred or (self.diagnostics and self.estimate in TABULAR_ESTIMATES):
-                unit = flow_per_unit_advantage(logps_detached, entropies, self.estimate, *vocab)
+                unit = flow_per_unit_advantage(logps_detached, entropies, self.estimate, *moments)
+                if self.bias:
+                    bias = unit_bias(self.estimate, Scores(logps_detached, entropies, *moments))
         advantages = per_token(inputs["advantages"], logps_detached)
         old_logps = inputs.get("old_per_token_logps")
         if deferred:
             assert unit is not None  # computed above for the deferred weights
-            rollout = TokenBatch(logps_detached, entropies, original, factor, original * unit, old_logps)
+            rollout = TokenBatch(
+                logps_detached,
+                entropies,
+                original,
+                factor,
+                original * unit,
+                old_logps,
+                None if bias is None else original * bias,
+            )
             weights = decide_rollout_weights(self.method, rollout, self.context).weights
             if weights is not None:  # None: unweighted, as in RolloutWeigher.weigh
                 advantages = advantages * weights
@@ -461,7 +501,7 @@ class MicroBatchWeigher:
         inputs["advantages"] = advantages
         call.extra_loss, call.logps, call.factor = terms.extra_loss, logps, factor
         if unit is not None and self.diagnostics:
-            stats = flow_stats(original * unit, factor)
+            stats = flow_stats(original * unit, factor, None if bias is None else original * bias)
             self.step_flow = stats if self.step_flow is None else self.step_flow + stats
             if self.task_tokens is not None:
                 off_task = ~torch.isin(inputs["completion_ids"], self.task_tokens)

@@ -25,8 +25,8 @@ def micro_batch(seed, rows=4, length=6, vocab=50):
         advantages=torch.tensor([1.0, -1.0, 0.0, 0.5], dtype=torch.float64)[:, None].expand(rows, length),
         factor=factor / factor.sum(),
         param=torch.randn(rows, length, generator=gen, dtype=torch.float64),
-        sum_sq_probs=(probs**2).sum(-1).float(),
-        sum_sq_probs_log_probs=(probs**2 * logp_all).sum(-1).float(),
+        moment2=(probs**2 * (logp_all - (probs * logp_all).sum(-1, keepdim=True))).sum(-1).float(),
+        moment3=(probs**3 * (logp_all - (probs * logp_all).sum(-1, keepdim=True))).sum(-1).float(),
         trl_logps=logps,
     ), (probs, tokens)
 

@@ -9,6 +9,7 @@ from opefo_trl.maths.entropy_flow import (
     entropy_flow,
     flow_per_unit_advantage,
     flow_stats,
+    on_policy_mean,
     token_weights,
 )
 
@@ -23,11 +24,12 @@ def _entropy(logits: torch.Tensor) -> torch.Tensor:
 def _softmax_quantities(logits: torch.Tensor, action: int):
     logp = torch.log_softmax(logits, -1)
     p = logp.exp()
+    gap = logp + _entropy(logits)
     return dict(
         logps=logp[action].reshape(1, 1),
         entropies=_entropy(logits).reshape(1, 1),
-        sum_sq_probs=(p * p).sum().reshape(1, 1),
-        sum_sq_probs_log_probs=(p * p * logp).sum().reshape(1, 1),
+        moment2=(p**2 * gap).sum().reshape(1, 1),
+        moment3=(p**3 * gap).sum().reshape(1, 1),
     )
 
 
@@ -45,8 +47,8 @@ def test_full_estimate_matches_exact_entropy_change_of_a_small_step(seed, advant
         q["entropies"],
         torch.tensor([advantage], dtype=torch.float64),
         "full",
-        q["sum_sq_probs"],
-        q["sum_sq_probs_log_probs"],
+        q["moment2"],
+        q["moment3"],
     )
     pi = torch.softmax(logits, -1)
     step = eta * advantage * (torch.nn.functional.one_hot(torch.tensor(action), 50).double() - pi)
@@ -178,11 +180,13 @@ def test_unknown_estimate_and_missing_statistics_are_clear_errors():
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="Unknown entropy-flow estimate 'exact'"):
         entropy_flow(x, x, torch.ones(1), "exact")
-    with pytest.raises(ValueError, match="full.*sum_sq_probs"):
+    with pytest.raises(ValueError, match="full.*moment2"):
         entropy_flow(x, x, torch.ones(1), "full")
+    with pytest.raises(ValueError, match="opefo_centered.*moment2 and moment3"):
+        entropy_flow(x, x, torch.ones(1), "opefo_centered", x)
     with pytest.raises(ValueError, match="param.*entropy_alignment"):
         entropy_flow(x, x, torch.ones(1), "param")
-    assert set(FLOW_ESTIMATES) == {"opefo", "onaction", "sign", "full", "param"}
+    assert set(FLOW_ESTIMATES) == {"opefo", "opefo_centered", "onaction", "sign", "full", "param"}
     with pytest.raises(ValueError, match=r"shape \(B, T\)"):
         entropy_flow(torch.zeros(3), torch.zeros(3), torch.ones(3))
 
@@ -225,3 +229,109 @@ def test_a_sequence_with_factor_zero_changes_nothing():
     changed[2] = torch.randn(6, generator=gen) * 100
     torch.testing.assert_close(flow_stats(changed, factor).to_tensor(), reference)
     torch.testing.assert_close(flow_stats(flow[[0, 1, 3]], factor[[0, 1, 3]]).to_tensor(), reference)
+
+
+def _positions(batch: int, length: int, vocab: int, seed: int):
+    """(B, T) positions of float64 softmaxes of different sharpness (peaked to flat), a token sampled at each, and what
+    a brute-force sum over the vocabulary gives: pi, the surprise gap log pi_v + H and the moments S_2, S_3."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.logspace(-1, 1.2, batch * length, dtype=torch.float64).reshape(batch, length, 1)
+    logits = torch.randn(batch, length, vocab, generator=gen, dtype=torch.float64) * scale
+    logp = torch.log_softmax(logits, -1)
+    p = logp.exp()
+    entropy = -(p * logp).sum(-1)
+    gap = logp + entropy.unsqueeze(-1)
+    actions = torch.multinomial(p.reshape(-1, vocab), 1, generator=gen).reshape(batch, length, 1)
+    return dict(
+        p=p,
+        logp=logp,
+        entropy=entropy,
+        gap=gap,
+        moment2=(p**2 * gap).sum(-1),
+        moment3=(p**3 * gap).sum(-1),
+        actions=actions,
+    )
+
+
+def _every_token_u(estimate: str, q: dict) -> torch.Tensor:
+    """u_v for every token v each position could sample, (B, T, V), from the estimate's own formula in float64."""
+    p, gap = q["p"], q["gap"]
+    if estimate == "opefo":
+        return -((1 - p) ** 2) * gap
+    if estimate == "onaction":
+        return -p * (1 - p) * gap
+    if estimate == "sign":
+        return -gap
+    if estimate in ("full",):
+        return -(p * gap - q["moment2"].unsqueeze(-1))
+    raise AssertionError(estimate)
+
+
+# Inputs go to float32 inside the library: a result of size ~|S_2| + |S_3| + E|u| carries a few float32 ulps of it.
+_EPS32 = torch.finfo(torch.float32).eps
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("estimate", ["opefo", "onaction", "sign", "full"])
+def test_on_policy_mean_is_the_brute_force_expectation_over_the_vocabulary(estimate, seed):
+    """E_{a~pi}[u_a] = 2 S_2 - S_3 (opefo), S_3 - S_2 (onaction), 0 (sign, full), position by position."""
+    q = _positions(3, 5, 60, seed)
+    u = _every_token_u(estimate, q)
+    expected = (q["p"] * u).sum(-1)
+    got = on_policy_mean(estimate, q["moment2"], q["moment3"]).double()
+    scale = q["moment2"].abs() + q["moment3"].abs() + (q["p"] * u.abs()).sum(-1)
+    assert got.shape == (3, 5)
+    assert ((got - expected).abs() <= 8 * _EPS32 * scale).all()
+    if estimate == "opefo":  # Cov_pi(pi (2 - pi), log pi) >= 0: larger pi, larger log pi
+        assert (expected >= -1e-12).all() and (got > 0).any()
+    if estimate == "onaction":
+        assert (expected <= 1e-12).all()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_opefo_centered_is_opefo_less_its_on_policy_mean_at_each_position(seed):
+    """u_t - E_pi[u] with the mean taken at the token's own position (not over the batch), for the token sampled there,
+    against the float64 brute force; and its on-policy mean is zero to rounding."""
+    q = _positions(3, 5, 60, seed)
+    u_opefo = _every_token_u("opefo", q)
+    u_every = u_opefo - (q["p"] * u_opefo).sum(-1, keepdim=True)  # (B, T, V)
+    sampled_logp = q["logp"].gather(-1, q["actions"]).squeeze(-1)
+    got = flow_per_unit_advantage(sampled_logp, q["entropy"], "opefo_centered", q["moment2"], q["moment3"]).double()
+    expected = u_every.gather(-1, q["actions"]).squeeze(-1)
+    scale = q["moment2"].abs() + q["moment3"].abs() + u_opefo.abs().amax(-1)
+    assert ((got - expected).abs() <= 8 * _EPS32 * scale).all()
+    # Its on-policy mean: every token each position could sample, through the library's own formula.
+    vocab = q["p"].shape[-1]
+    every = flow_per_unit_advantage(
+        q["logp"].reshape(-1, vocab),
+        q["entropy"].reshape(-1, 1).expand(-1, vocab),
+        "opefo_centered",
+        q["moment2"].reshape(-1, 1).expand(-1, vocab),
+        q["moment3"].reshape(-1, 1).expand(-1, vocab),
+    ).double()
+    mean = (q["p"].reshape(-1, vocab) * every).sum(-1)
+    spread = (q["p"].reshape(-1, vocab) * every.abs()).sum(-1)
+    assert (mean.abs() <= 8 * _EPS32 * (spread + scale.reshape(-1))).all()
+    assert (spread > 0).all()
+
+
+def test_flow_stats_split_lambda_star_into_the_bias_part_and_the_rest():
+    """lambda* = lambda_bias + lambda_net_of_bias, lambda_bias = -sum f A E[u] / (P + N), summed with the factor."""
+    flow = torch.tensor([[0.5, -2.0, 1.0, 3.0]])
+    factor = torch.tensor([[1.0, 1.0, 0.5, 0.0]])
+    bias = torch.tensor([[0.2, 0.1, -0.4, 9.0]])  # the last token is out of the loss
+    stats = flow_stats(flow, factor, bias)
+    assert float(stats.bias_net) == pytest.approx(0.2 + 0.1 - 0.2)
+    total = 0.5 + 2.0 + 0.5
+    assert float(stats.lambda_bias) == pytest.approx(-0.1 / total)
+    metrics = stats.metrics()
+    assert metrics["entropy_flow/lambda_bias"] + metrics["entropy_flow/lambda_net_of_bias"] == pytest.approx(
+        metrics["entropy_flow/lambda"]
+    )
+    assert metrics["entropy_flow/bias_net"] == pytest.approx(0.1)
+    summed = FlowStats.from_tensor(stats.to_tensor() + stats.to_tensor())
+    assert float(summed.bias_net) == pytest.approx(0.2)
+    plain = flow_stats(flow, factor)
+    assert plain.bias_net is None and "entropy_flow/lambda_bias" not in plain.metrics()
+    with pytest.raises(ValueError, match="bias_net"):
+        _ = stats + plain

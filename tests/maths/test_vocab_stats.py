@@ -36,6 +36,14 @@ def test_chunked_statistics_match_a_float64_full_softmax(vocab, token_chunk, voc
     torch.testing.assert_close(stats.entropy.double(), entropy, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(stats.sum_sq_probs.double(), s2, rtol=1e-4, atol=1e-7)
     torch.testing.assert_close(stats.sum_sq_probs_log_probs.double(), s2l, rtol=1e-4, atol=1e-6)
+    logp, _, _, _ = _reference(hidden, weight, bias, 0.8)
+    p = logp.exp()
+    gap = logp + entropy.unsqueeze(-1)
+    torch.testing.assert_close(stats.sum_cube_probs.double(), (p**3).sum(-1), rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(stats.sum_cube_probs_log_probs.double(), (p**3 * logp).sum(-1), rtol=1e-4, atol=1e-6)
+    moment2, moment3 = stats.moments()
+    torch.testing.assert_close(moment2.double(), (p**2 * gap).sum(-1), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(moment3.double(), (p**3 * gap).sum(-1), rtol=1e-4, atol=1e-6)
 
 
 def test_peaked_distribution_keeps_precision():

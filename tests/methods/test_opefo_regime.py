@@ -153,3 +153,30 @@ def test_the_flow_share_of_negligible_tokens_is_logged_and_warned_once_when_the_
 def test_the_low_probability_setting_is_checked():
     with pytest.raises(ValueError, match=r"probability in \(0, 1\)"):
         OPEFO(opefo_low_prob=1.0)
+
+
+def biased_batch(lam, bias_part):
+    """``lambda_batch(lam)`` whose estimate's on-policy mean accounts for ``bias_part`` of its lambda*:
+    lambda_bias = -bias_net / (P + N) with P + N = 2."""
+    batch = lambda_batch(lam)
+    return dataclasses.replace(batch, flow_bias=torch.tensor([[-2.0 * bias_part, 0.0]]))
+
+
+def test_regime_guard_judges_lambda_star_net_of_the_estimates_bias_and_says_so():
+    """A lambda* that the estimate's on-policy mean accounts for is no imbalance of the batch: the guard judges
+    lambda* - lambda_bias, and its message names which part it saw."""
+    explained = OPEFO(opefo_lambda_warn=0.1)
+    for _ in range(RegimeWatch.WINDOW):
+        optimizer_step(explained, biased_batch(0.5, bias_part=0.45))  # 0.05 left: in the regime
+        assert explained.regime_warning() is None
+    imbalanced = OPEFO(opefo_lambda_warn=0.1)
+    for step in range(1, RegimeWatch.EARLY_STEPS + 1):
+        optimizer_step(imbalanced, biased_batch(0.5, bias_part=0.1))  # 0.4 left
+        message = imbalanced.regime_warning()
+    assert step == RegimeWatch.EARLY_STEPS and message is not None
+    assert "net of the estimate's on-policy bias (entropy_flow/lambda_net_of_bias" in message
+    assert "lambda_bias, averaged 0.1 in absolute value" in message and ") is 0.4 " in message
+    unknown = OPEFO(opefo_lambda_warn=0.1)
+    for _ in range(RegimeWatch.EARLY_STEPS):
+        optimizer_step(unknown, lambda_batch(0.5))  # no bias computed: the whole lambda* is judged
+    assert "with any bias of the estimate in it" in unknown.regime_warning()

@@ -38,7 +38,7 @@ def test_the_full_statistics_see_the_logits_trl_fused_head_sees(tiny_model_path,
     assert logit_scale(text_config) == 0.5
     hidden = torch.cat(chunks)[:, -6:-1]
     head = trainer.scorer.core().get_output_embeddings()
-    assert trainer.scorer.vocab_stats(chunks, 5)[0] is not None
+    assert trainer.scorer.moments(chunks, 5)[0] is not None
     stats = vocab_stats(hidden, head.weight, head.bias, temperature=0.7, logit_scale=0.5, softcap=3.0)
     torch.testing.assert_close(stats.entropy, entropies, rtol=1e-5, atol=1e-5)
     unscaled = vocab_stats(hidden, head.weight, head.bias, temperature=0.7)

@@ -42,7 +42,7 @@ def test_trls_old_log_prob_pass_is_read_and_the_weights_ride_along_its_shuffle_a
     ((rollout,), kwargs) = seen[0]
     assert len(seen) == 1 and kwargs == {"split_into": 2} and len(rollout["completion_ids"]) == 8
     carried = carried_scores(rollout)
-    assert carried is not None and carried.sum_sq_probs is None  # (the `full` sums only with `full`)
+    assert carried is not None and carried.moment2 is None  # (the moments only where the flow needs them)
     assert torch.equal(carried.logps, rollout["old_per_token_logps"])
     mask = rollout["completion_mask"].bool()
     scored = trainer.scorer.score(rollout)
