@@ -1,4 +1,4 @@
-"""log pi_t and H_t of the sampled tokens (and the `full` estimate's vocabulary sums), taken from the logits
+"""log pi_t and H_t of the sampled tokens (and the surprise-gap moments S_2, S_3), taken from the logits
 transformers' ``generate`` computes anyway.
 
 A rollout batch of several micro-batches needs the policy's log pi_t and H_t of every token before the first

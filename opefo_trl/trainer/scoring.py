@@ -1,10 +1,10 @@
-"""The trainer's own scoring forwards, and the full-vocabulary statistics of the `full` estimate.
+"""The trainer's own scoring forwards, and the full-vocabulary statistics (the surprise-gap moments S_2, S_3).
 
-:class:`Scorer` scores a TRL micro-batch's completion tokens (`Scores`: log pi_t, H_t, and for `full` the two
-vocabulary sums) by one of two forwards:
+:class:`Scorer` scores a TRL micro-batch's completion tokens (`Scores`: log pi_t, H_t, and where the flow needs them
+the moments S_2, S_3) by one of two forwards:
 
 - :meth:`Scorer.score`: TRL's own no-grad scoring path (`GRPOTrainer._get_per_token_logps_and_entropies`) in the
-  training precision; with ``vocab``, also sum pi^2 and sum pi^2 log pi from the hidden states of the same forward;
+  training precision; with ``vocab``, also the surprise-gap moments S_2, S_3 from the hidden states of the same forward;
 - :meth:`Scorer.score_full_precision`: the backbone and a chunked LM head of the library's own
   (`opefo_trl.maths.lm_head`) in the parameters' own precision (float32 / float64) with autocast off,
   differentiable when grad is enabled, as the `param` estimate needs (TRL's fused head computes in float32 even for
@@ -13,7 +13,7 @@ vocabulary sums) by one of two forwards:
   parameter direction.
 
 :meth:`Scorer.capture_hidden_states` collects the backbone's final hidden states of the forwards inside a block (a
-forward hook that lives only for the block), from which :meth:`Scorer.vocab_stats` projects the LM head in token x
+forward hook that lives only for the block), from which :meth:`Scorer.moments` projects the LM head in token x
 vocabulary tiles (`opefo_trl.maths.vocab_stats`) without materialising [tokens, vocab] logits.
 """
 

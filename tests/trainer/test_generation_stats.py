@@ -67,8 +67,8 @@ def test_the_statistics_read_from_generation_are_the_scoring_passs(
 def test_the_full_estimates_vocabulary_sums_read_from_generation_are_the_scoring_passs(
     tiny_model_path, tiny_dataset, length_reward, tmp_path
 ):
-    """sum pi^2 and sum pi^2 log pi from generation's logits against the scoring pass's vocabulary pass, token by
-    token (float32 rounding of two forwards)."""
+    """The surprise-gap moments S_2, S_3 from generation's logits against the scoring pass's vocabulary pass, token
+    by token (float32 rounding of two forwards)."""
     args = make_config(tmp_path, entropy_flow_estimate="full", **ACCUMULATION)
     trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
     assert trainer.rollout.generation is not None and trainer.rollout.generation.vocab
@@ -83,7 +83,7 @@ def test_the_full_estimates_vocabulary_sums_read_from_generation_are_the_scoring
         assert rows is not None
         scored = trainer.scorer.score(batch, vocab=True)
         mask = batch["completion_mask"].bool()
-        for ours, theirs in zip(rows.vocab, scored.vocab, strict=True):
+        for ours, theirs in zip(rows.moments, scored.moments, strict=True):
             torch.testing.assert_close(ours[mask], theirs[mask], rtol=1e-4, atol=1e-6)
 
 
@@ -93,7 +93,7 @@ def test_generation_statistics_at_a_temperature_are_the_float64_softmax_of_the_s
     tiny_model_path, tiny_dataset, length_reward, tmp_path, temperature, estimate
 ):
     """At the training temperature T != 1 (sampling and scoring both divide the logits by T), log pi_t, H_t and the
-    `full` sums read from generation against an independent float64 scoring (a plain float64 copy of the model, full
+    surprise-gap moments read from generation against an independent float64 scoring (a plain float64 copy of the model, full
     softmax of logits / T). The float32 forward rounds the logits by ~1e-6 relative (|z| <~ 10 on the tiny model), which
     moves log pi and H by ~1e-5 at most; the bound is 1e-4. Logits not divided by T are off by ~0.1-1."""
     args = make_config(tmp_path, temperature=temperature, entropy_flow_estimate=estimate, **ACCUMULATION)
@@ -109,7 +109,7 @@ def test_generation_statistics_at_a_temperature_are_the_float64_softmax_of_the_s
         rows = carried_scores(batch)
         assert rows is not None
         mask = batch["completion_mask"].bool()
-        logps, entropies, sum_sq, sum_sq_log = float64_reference(tiny_model_path, batch, temperature)
-        ours = [rows.logps, rows.entropies, *(rows.vocab if estimate == "full" else ())]
-        for value, reference in zip(ours, (logps, entropies, sum_sq, sum_sq_log), strict=False):
+        logps, entropies, moment2, moment3 = float64_reference(tiny_model_path, batch, temperature)
+        ours = [rows.logps, rows.entropies, *(rows.moments if estimate == "full" else ())]
+        for value, reference in zip(ours, (logps, entropies, moment2, moment3), strict=False):
             torch.testing.assert_close(value[mask].double(), reference[mask], rtol=0, atol=1e-4)

@@ -46,7 +46,7 @@ def spy(owner, name, record):
 def float64_reference(model_path, batch, temperature, direction=None, step=0.0):
     """An independent float64 scoring of a TRL micro-batch's completions: a plain float64 copy of the model loaded
     from ``model_path`` (no TRL head, hook or patch), logits / ``temperature``, a full float64 softmax. Returns log
-    pi_t, H_t, sum_k pi_k^2 and sum_k pi_k^2 log pi_k, (B, T) each; with ``direction`` ({parameter name: tensor}),
+    pi_t, H_t and the surprise-gap moments S_2, S_3 = sum_k pi_k^2 (log pi_k + H_t), sum_k pi_k^3 (...), (B, T) each; with ``direction`` ({parameter name: tensor}),
     those of the parameters moved by ``step * direction``."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -68,11 +68,13 @@ def float64_reference(model_path, batch, temperature, direction=None, step=0.0):
         logits = model(input_ids=ids, attention_mask=attention).logits[:, -length - 1 : -1]
     logp = torch.log_softmax(logits / temperature, -1)
     probs = logp.exp()
+    entropy = -(probs * logp).sum(-1)
+    gap = logp + entropy[..., None]
     return (
         logp.gather(-1, completion[..., None])[..., 0],
-        -(probs * logp).sum(-1),
-        probs.square().sum(-1),
-        (probs.square() * logp).sum(-1),
+        entropy,
+        (probs**2 * gap).sum(-1),
+        (probs**3 * gap).sum(-1),
     )
 
 
@@ -99,7 +101,7 @@ def lambda_from_scoring(trainer, batches) -> float:
         scores = trainer.scorer.score(batch, vocab=estimate == "full")
         advantages = batch["advantages"].float()
         factor = trainer.loss_mirror.factor(batch, scores.logps, scores.entropies, advantages)
-        unit = flow_per_unit_advantage(scores.logps, scores.entropies, estimate, *scores.vocab)
+        unit = flow_per_unit_advantage(scores.logps, scores.entropies, estimate, *scores.moments)
         stats = flow_stats(advantages.unsqueeze(1) * unit, factor)
         totals = stats if totals is None else totals + stats
     return float(totals.lambda_star)
