@@ -1,6 +1,6 @@
 """Run by tests/trainer/test_distributed.py under `torchrun --nproc_per_node 2`: trains OPEFO two steps and saves, per
-rank, each rollout batch's per-token statistics, its micro-batches and the lambda the rank used (with a fixed probe
-of N prompts, also the rank's share of the probe)."""
+rank, each rollout batch's per-token statistics, its micro-batches and the lambda the rank used, and the rank's log
+history (with a fixed probe of N prompts, also the rank's share of the probe)."""
 
 import os
 import sys
@@ -96,6 +96,7 @@ def main(
     rank = trainer.accelerator.process_index
     assert trainer.accelerator.num_processes == 2, "expected two processes"
     torch.save(records, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save(trainer.state.log_history, os.path.join(out_dir, f"log{rank}.pt"))
     if probe:
         fixed = trainer.param_estimate.fixed_probe.__self__
         sequences = sum(len(item.batch["completion_ids"]) for item, _ in fixed.batches())

@@ -96,33 +96,23 @@ def _pad_to(batch, prompt_length, completion_length, pad_id):
     return out
 
 
-@pytest.mark.parametrize("balance", ["batch", "step"])
-def test_param_lambda_of_two_ranks_is_the_single_process_one(
-    tiny_model_path, tmp_path, length_reward, keep_dtype_rms_norm, balance
-):
-    """float64 throughout: the entropy gradient, the loss gradients (a, and b for the step balance), Adam's
-    preconditioner and the checks are all-reduced, so one process scoring both ranks' first rollout with the same
-    initial parameters and optimizer finds the same per-token flow and lambda (a rank using only its own gradients
-    would not). Tolerance: the two sides batch and pad the same tokens differently, which moves the float64 flow by
-    ~1e-13 (relative); the flow is stored in float32, so two values differ by at most one float32 ulp (2^-23)."""
+def _single_process(model_path, tmp_path, length_reward, keep_dtype_rms_norm, first, **settings):
+    """One float64 process on the two ranks' ``first`` rollout (the same global batch, 8 rows, as one micro-batch):
+    an OPEFOTrainer with ``settings`` and its optimizer, and the union of the ranks' micro-batches, padded as TRL pads
+    one rollout."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opefo_trl import OPEFOConfig, OPEFOTrainer
 
-    ranks = _run_two_ranks(tiny_model_path, tmp_path, "1", "param", balance, dtype="float64")
-    first = [ranks[r][0] for r in range(2)]
-    for key in ("lambda_star", "lambda_applied"):
-        assert first[0][key] == first[1][key], key
-    torch.testing.assert_close(first[0]["weights"].unique(), first[1]["weights"].unique(), rtol=0, atol=0)
     args = OPEFOConfig(
         output_dir=str(tmp_path / "single"), per_device_train_batch_size=8, num_generations=4, max_completion_length=10,
-        bf16=False, use_cpu=True, report_to="none", entropy_flow_estimate="param", max_steps=1, opefo_balance=balance,
+        bf16=False, use_cpu=True, report_to="none", max_steps=1, **settings,
     )  # fmt: skip
     rows = [{"prompt": [{"role": "user", "content": "unused"}]}] * 8
-    model = keep_dtype_rms_norm(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float64))
+    model = keep_dtype_rms_norm(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64))
     trainer = OPEFOTrainer(
-        model=model, processing_class=AutoTokenizer.from_pretrained(tiny_model_path), reward_funcs=length_reward,
+        model=model, processing_class=AutoTokenizer.from_pretrained(model_path), reward_funcs=length_reward,
         args=args, train_dataset=Dataset.from_list(rows),
     )  # fmt: skip
     trainer.create_optimizer()
@@ -133,6 +123,27 @@ def test_param_lambda_of_two_ranks_is_the_single_process_one(
     padded = [_pad_to(b, prompt, completion, trainer.processing_class.pad_token_id) for b in micro_batches]
     union = {key: torch.cat([b[key] for b in padded]) for key in padded[0] if key != "num_items_in_batch"}
     union["num_items_in_batch"] = padded[0]["num_items_in_batch"]
+    return trainer, micro_batches, union
+
+
+@pytest.mark.parametrize("balance", ["batch", "step"])
+def test_param_lambda_of_two_ranks_is_the_single_process_one(
+    tiny_model_path, tmp_path, length_reward, keep_dtype_rms_norm, balance
+):
+    """float64 throughout: the entropy gradient, the loss gradients (a, and b for the step balance), Adam's
+    preconditioner and the checks are all-reduced, so one process scoring both ranks' first rollout with the same
+    initial parameters and optimizer finds the same per-token flow and lambda (a rank using only its own gradients
+    would not). Tolerance: the two sides batch and pad the same tokens differently, which moves the float64 flow by
+    ~1e-13 (relative); the flow is stored in float32, so two values differ by at most one float32 ulp (2^-23)."""
+    ranks = _run_two_ranks(tiny_model_path, tmp_path, "1", "param", balance, dtype="float64")
+    first = [ranks[r][0] for r in range(2)]
+    for key in ("lambda_star", "lambda_applied"):
+        assert first[0][key] == first[1][key], key
+    torch.testing.assert_close(first[0]["weights"].unique(), first[1]["weights"].unique(), rtol=0, atol=0)
+    trainer, micro_batches, union = _single_process(
+        tiny_model_path, tmp_path, length_reward, keep_dtype_rms_norm, first, entropy_flow_estimate="param",
+        opefo_balance=balance,
+    )  # fmt: skip
     decided = []
     rollout_weights = trainer.token_method.rollout_weights
     trainer.token_method.rollout_weights = lambda *args: decided.append(rollout_weights(*args)) or decided[-1]
@@ -150,6 +161,33 @@ def test_param_lambda_of_two_ranks_is_the_single_process_one(
     assert decided[0].lam == pytest.approx(first[0]["lambda_applied"], abs=1e-7)
     if balance == "step":
         assert decided[0].lam != pytest.approx(method.lambda_star, abs=1e-3)
+
+
+def test_the_logged_flow_sums_of_two_ranks_are_the_single_process_ones(
+    tiny_model_path, tmp_path, length_reward, keep_dtype_rms_norm
+):
+    """P, N and P - N are sums over every rank's tokens: both ranks log for their first step what one process logs
+    for the same global batch at the same parameters (float64). With `grpo`, f_t = 1 / (n_i B K W) holds a rank's
+    micro-batch rows B = 4 and W = 2 on the ranks, B = 8 and W = 1 here: the same float32 value. Sums averaged over
+    the ranks instead of added would be half of these (lambda*, their ratio, would not move)."""
+    ranks = _run_two_ranks(tiny_model_path, tmp_path, "1", "opefo", loss_type="grpo", dtype="float64")
+    logs = [torch.load(tmp_path / f"log{r}.pt", weights_only=False) for r in range(2)]
+    first = [next(entry for entry in log if "entropy_flow/increase" in entry) for log in logs]
+    trainer, _, union = _single_process(
+        tiny_model_path, tmp_path, length_reward, keep_dtype_rms_norm, [ranks[r][0] for r in range(2)],
+        loss_type="grpo",
+    )  # fmt: skip
+    trainer.model.train()
+    trainer.compute_loss(trainer.model, union)
+    single = {name: values[0] for name, values in trainer._metrics["train"].items()}
+    # u_t is float32: the ranks' float64 log pi_t and H_t (batched and padded otherwise) differ from these by ~1e-13
+    # relative, so a token's u_t differs only where one lands across a float32 rounding step, and then by a step of
+    # |log pi_t| + H_t (< 16 here: 2^-20), which moves P + N (~80 terms f_t |d_t|) by ~1e-8 of itself: 1e-6 allows
+    # dozens. Measured: 4e-16 (the float64 sums in another order).
+    gross = single["entropy_flow/increase"] + single["entropy_flow/decrease"]
+    for name in ("entropy_flow/increase", "entropy_flow/decrease", "entropy_flow/net"):
+        for rank in first:
+            assert rank[name] == pytest.approx(single[name], rel=0, abs=1e-6 * gross), name
 
 
 def test_the_fixed_probe_is_counted_once_over_two_ranks(tiny_model_path, tmp_path):

@@ -596,6 +596,46 @@ def test_every_micro_batch_gets_the_weights_exactly_once(
         assert not torch.allclose(record["applied"], record["original"], rtol=1e-6, atol=0)
 
 
+@pytest.mark.numerics
+def test_a_reused_rollouts_logged_flow_has_trls_per_sequence_factor_of_its_micro_batches(
+    warm_model_path, tiny_dataset, length_reward, tmp_path
+):
+    """num_iterations=2 with `grpo`: the rollout is weighed whole, before TRL splits it into steps_per_generation
+    micro-batches (which both updates reuse), and grpo's f_t = 1 / (n_i B K) depends on their row count B. Each step
+    logs the flow of the micro-batches it trained on under that f_t, written out here from TRL's normaliser; a factor
+    for the steps_per_generation x num_iterations parts of half the rows would double P and N (lambda*, a ratio, does
+    not move). The warm model's completions end at different lengths, so n_i varies."""
+    seen = []
+
+    def record(apply, call, logps, entropies, vocab):
+        state = call.state
+        seen.append((call.inputs["completion_mask"].double(), state.advantages * state.unit_flow))
+        apply(call, logps, entropies, vocab)
+
+    accumulation, rows = 2, 4
+    args = make_config(
+        tmp_path, loss_type="grpo", num_iterations=2, allow_off_policy=True, gradient_accumulation_steps=accumulation,
+        per_device_train_batch_size=rows,
+    )  # fmt: skip
+    trainer = make_trainer(warm_model_path, tiny_dataset, length_reward, args)
+    assert trainer.rollout.weighs_before_split
+    spy(trainer.micro_batches, "apply", record)
+    trainer.train()
+    assert len(seen) == 2 * accumulation
+    assert len(torch.cat([mask.sum(-1) for mask, _ in seen]).unique()) > 1, "the lengths should vary"
+    for step in range(2):
+        expected = None
+        for mask, flow in seen[step * accumulation : (step + 1) * accumulation]:
+            factor = mask / (mask.sum(-1, keepdim=True).clamp(min=1) * rows * accumulation)
+            stats = flow_stats(flow, factor)
+            expected = stats if expected is None else expected + stats
+        # The trainer's f_t is the float32 rounding of the same quotient (2^-24 relative); P and N are sums of terms
+        # of one sign, so they carry at most that relative error.
+        for name in ("increase", "decrease"):
+            found = logged(trainer, f"entropy_flow/{name}")[step]
+            assert found == pytest.approx(float(getattr(expected, name)), rel=2**-24, abs=0), (step, name)
+
+
 def test_clip_cov_off_policy_uses_trl_clip_range_and_never_drops_a_ppo_clipped_token(train, tmp_path):
     """epsilon_high unset means 'same as epsilon' in TRL; the second update on a rollout has ratios != 1, and the
     tokens PPO clips there must not be picked again."""
