@@ -151,7 +151,8 @@ def main() -> None:
     from trl import get_peft_config
     from trl.rewards import accuracy_reward
 
-    script_args, training_args, model_args = TrlParser((ScriptArguments, GRPOConfig, ModelConfig)).parse_args_and_config()
+    parser = TrlParser((ScriptArguments, GRPOConfig, ModelConfig))
+    script_args, training_args, model_args = parser.parse_args_and_config()
     check_args(training_args)  # before the model loads
     dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
     trainer = OPEFOMinimalTrainer(

@@ -40,11 +40,12 @@ def _copied(batch: dict) -> dict:
 def test_lambda_weights_and_advantages_equal_the_librarys_bit_for_bit(
     tiny_model_path, tiny_dataset, length_reward, tmp_path, loss_type, accumulation, vllm_correction
 ):
-    """One fixed rollout batch (TRL's, generated once), handed over by TRL to the example's trainer and to
-    OPEFOTrainer: the same lambda*, weights and (B, T) advantages, bit for bit (the same float32 and float64
-    operations on the same log pi_t and H_t). Both take log pi_t and H_t from TRL's scoring function over the whole
-    rollout in micro-batches of TRL's size: OPEFOTrainer does where no pass of TRL's or of generation's logits serves
-    (vLLM without TRL's pass), so its generation-logits source is switched off here."""
+    """One fixed rollout batch (TRL's, generated once, its completions cut to varied lengths), handed over by TRL to
+    the example's trainer and to OPEFOTrainer: the same lambda*, weights and (B, T) advantages, bit for bit (the same
+    float32 and float64 operations on the same log pi_t and H_t). Both score the whole rollout with TRL's scoring
+    function in micro-batches of TRL's size: OPEFOTrainer does so where neither TRL's pass nor generation's logits
+    serve (vLLM without TRL's pass), so its generation-logits source is switched off here. With vLLM's correction,
+    f_t carries TRL's importance ratio."""
     overrides = dict(loss_type=loss_type, gradient_accumulation_steps=accumulation, per_device_train_batch_size=4)
     library = make_trainer(tiny_model_path, tiny_dataset, length_reward, make_config(tmp_path, **overrides))
     example_args = GRPOConfig(**base_settings(tmp_path / "example", **overrides))
@@ -63,6 +64,7 @@ def test_lambda_weights_and_advantages_equal_the_librarys_bit_for_bit(
     with emulated, torch.no_grad():
         rollout = GRPOTrainer._generate_and_score_completions(library, inputs)
     assert ("importance_sampling_ratio" in rollout) == vllm_correction
+    _end_early(rollout)
     library_weights, example_weights = [], []
     spy(library.token_method, "rollout_weights", _recorded(library_weights))
     with mock.patch.object(library.rollout, "generation", None):
@@ -79,6 +81,15 @@ def test_lambda_weights_and_advantages_equal_the_librarys_bit_for_bit(
     assert torch.equal(weights, library_decided.weights)
     assert example_output["advantages"].shape == rollout["completion_mask"].shape
     assert torch.equal(example_output["advantages"], library_output["advantages"])
+
+
+def _end_early(rollout: dict) -> None:
+    """Completions of 5 to 12 tokens (the tiny model's all run to max_completion_length=12), as if each had ended
+    there: grpo's f_t, 1 / |o_i|, then differs between them."""
+    mask = rollout["completion_mask"]
+    lengths = 5 + torch.arange(len(mask)) % 8
+    mask.mul_((torch.arange(mask.size(1)) < lengths[:, None]).to(mask.dtype))
+    rollout["num_items_in_batch"] = mask.sum()
 
 
 def _recorded(results: list):
