@@ -63,11 +63,13 @@ def check_args(args: GRPOConfig) -> None:
         )
 
 
-def token_factor(rollout: dict, rows: int, accumulation: int, steps_per_generation: int, num_processes: int, args):
+def token_factor(rollout: dict, args: GRPOConfig, accumulation: int, num_processes: int) -> torch.Tensor:
     """f_t, (B, T) fp32: the coefficient of A_t grad log pi_t in the gradient of TRL's loss (TRL 1.16
-    `GRPOTrainer._compute_loss`) at ratio 1, averaged over ranks, for a token of ``rollout`` that lands in a
-    micro-batch of ``rows`` rows. Each loss type's normalisation is written as `opefo_trl`'s loss mirror writes it,
-    so that the two agree bit for bit."""
+    `GRPOTrainer._compute_loss`) at ratio 1, averaged over the ``num_processes`` ranks, for the tokens of the rollout
+    TRL will split into ``args.steps_per_generation`` micro-batches, over ``accumulation`` of which it accumulates
+    gradients. Each normalisation is written as `opefo_trl`'s loss mirror writes it: the two agree bit for bit."""
+    steps_per_generation = args.steps_per_generation
+    rows = len(rollout["advantages"]) // steps_per_generation  # of each micro-batch
     mask = rollout["completion_mask"]
     mask = (mask * rollout["tool_mask"] if "tool_mask" in rollout else mask).float()
     one = torch.ones((), device=mask.device)
@@ -130,14 +132,8 @@ class OPEFOMinimalTrainer(GRPOTrainer):
                 compute_entropy=True,
             )
         advantages = rollout["advantages"].unsqueeze(1).expand_as(completion_ids).float()  # A_t = A_i, (B, T)
-        steps = self.args.steps_per_generation
         factor = token_factor(
-            rollout,
-            rows=len(advantages) // steps,  # TRL splits the rollout into `steps` micro-batches
-            accumulation=self.current_gradient_accumulation_steps,
-            steps_per_generation=steps,
-            num_processes=self.accelerator.num_processes,
-            args=self.args,
+            rollout, self.args, self.current_gradient_accumulation_steps, self.accelerator.num_processes
         )
         reduce_sum = lambda sums: self.accelerator.reduce(sums, reduction="sum")  # noqa: E731
         weights, lambda_star = opefo_weights(logps, entropies, advantages, factor, reduce_sum)
