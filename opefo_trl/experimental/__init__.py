@@ -24,8 +24,3 @@ docs/algorithm.md sections 1-3) does not need any of it.
 
 Each module is imported by its path, e.g. ``from opefo_trl.experimental.param_flow import ParamFlowEstimator``.
 """
-
-# The token methods first (torch only): `method="opefo"`'s options include the step balance's, so
-# opefo_trl.methods.opefo imports `opefo_step`, which imports opefo_trl.methods.base; with the methods loaded first,
-# `opefo_step` can be the first module a program imports.
-import opefo_trl.methods  # noqa: F401

@@ -2,7 +2,8 @@
 `param` estimate (with its fixed probe) and the entropy audit.
 
 Each builder takes the trainer's `opefo_trl.trainer.parts.TrainerAccess` and the core parts it reads (scorer, loss
-mirror), so the paper's parts never import an extension's.
+mirror) as arguments; this module imports the trainer's modules only for their types (`trainer/parts.py`, which
+builds every part of the trainer, imports it).
 """
 
 from __future__ import annotations

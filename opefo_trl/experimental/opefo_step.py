@@ -10,11 +10,14 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opefo_trl.experimental.step_model import solve_step_balance
 from opefo_trl.maths.entropy_flow import BALANCES, check_choice
-from opefo_trl.methods.base import MethodContext, StepChange, off_policy_reasons, setting
+from opefo_trl.maths.options import off_policy_reasons, setting
+
+if TYPE_CHECKING:  # opefo_trl.methods.opefo imports this module
+    from opefo_trl.methods.base import MethodContext, StepChange
 
 
 @dataclass

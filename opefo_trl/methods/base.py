@@ -31,21 +31,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
+from opefo_trl.maths.options import off_policy_reasons, setting  # noqa: F401 (the methods import them from here)
 from opefo_trl.maths.ranks import ReduceSum, single_process_sum
 
 #: F(lambda): the first-order change of the mean token entropy the real next optimizer step makes when the rollout's
 #: tokens are weighted 1 + lambda * s_t (``opefo_trl.experimental.step_model.StepModel.change``).
 StepChange = Callable[[float], float]
-
-
-def setting(default, help: str):
-    """A settings field: its default and the ``help`` text TRL's parsers print (``--help``, recipes)."""
-    return field(default=default, metadata={"help": help})
 
 
 @dataclass
@@ -304,24 +300,6 @@ def get_token_method_class(name: str) -> type[TokenMethod]:
 def build_token_method(name: str, **settings) -> TokenMethod:
     """Instantiate a registered method by name, e.g. ``build_token_method("opefo", opefo_sides="increase_only")``."""
     return get_token_method_class(name)(**settings)
-
-
-def off_policy_reasons(args: Any) -> list[str]:
-    """Why a configuration uses a rollout batch for more than one optimizer step (empty when strictly on-policy).
-
-    >>> from types import SimpleNamespace
-    >>> off_policy_reasons(SimpleNamespace(num_iterations=2, steps_per_generation=4, gradient_accumulation_steps=4))
-    ['num_iterations=2 (several updates per rollout batch)']
-    """
-    reasons = []
-    if args.num_iterations > 1:
-        reasons.append(f"num_iterations={args.num_iterations} (several updates per rollout batch)")
-    if args.steps_per_generation != args.gradient_accumulation_steps:
-        reasons.append(
-            f"steps_per_generation={args.steps_per_generation} != gradient_accumulation_steps="
-            f"{args.gradient_accumulation_steps} (a rollout batch is not exactly one optimizer step)"
-        )
-    return reasons
 
 
 def options_are_fields(args: Any) -> bool:
