@@ -23,7 +23,7 @@ from opefo_trl.demo.tasks import TASKS
 from opefo_trl.demo.training import RunResult, build_config, train_one
 from opefo_trl.demo.warm_start import warm_start
 from opefo_trl.real_model import RealModelError
-from opefo_trl.runs.files import RunFolderBusy, RunFolderError
+from opefo_trl.runs.files import RunFolderBusy, RunFolderError, write_json_atomically, write_text_atomically
 from opefo_trl.runs.folder import RunLock, lock_holder
 
 #: Environment the demo runs with, set by ``main`` (before torch is imported) unless already set. OpenMP threads
@@ -126,15 +126,13 @@ def _run_demo(output_dir: str, settings: DemoSettings, log) -> dict[str, str]:
         warm_starts[name] = warm
     figure = plot_demo(output_dir, results, settings, warm_starts)
     summary_md = os.path.join(output_dir, "summary.md")
-    with open(summary_md, "w") as f:
-        f.write(summary_markdown(results, settings, warm_starts))
+    write_text_atomically(summary_md, summary_markdown(results, settings, warm_starts))
     summary_json = os.path.join(output_dir, "summary.json")
-    with open(summary_json, "w") as f:
-        json.dump(
-            summary_dict(results, settings, warm_starts) | {"total_seconds": time.perf_counter() - total_start},
-            f,
-            indent=2,
-        )
+    write_json_atomically(
+        summary_json,
+        summary_dict(results, settings, warm_starts) | {"total_seconds": time.perf_counter() - total_start},
+        indent=2,
+    )
     return {"figure": figure, "summary_md": summary_md, "summary_json": summary_json}
 
 
@@ -200,18 +198,17 @@ def _run_setting(
             )
     finally:
         torch.set_num_threads(previous_threads)
-    with open(os.path.join(output_dir, "runs", name, RESULTS_FILE), "w") as f:
-        json.dump(
-            {
-                "numerics": name,
-                "environment": {k: os.environ.get(k) for k in NUMERICS_VARIABLES},
-                "torch_threads": NUMERICS[name].threads,
-                "warm_start": dataclasses.asdict(warm) if warm else None,
-                "runs": [dataclasses.asdict(r) for r in results],
-            },
-            f,
-            indent=2,
-        )
+    write_json_atomically(
+        os.path.join(output_dir, "runs", name, RESULTS_FILE),
+        {
+            "numerics": name,
+            "environment": {k: os.environ.get(k) for k in NUMERICS_VARIABLES},
+            "torch_threads": NUMERICS[name].threads,
+            "warm_start": dataclasses.asdict(warm) if warm else None,
+            "runs": [dataclasses.asdict(r) for r in results],
+        },
+        indent=2,
+    )
     return results, warm
 
 

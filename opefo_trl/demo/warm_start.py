@@ -85,6 +85,8 @@ def warm_start(output_dir: str, settings: DemoSettings, numerics: str, log=print
         if (step + 1) % 100 == 0 or step + 1 == steps:
             log(f"  warm-start step {step + 1}/{steps}: loss {loss_value:.3f} ({time.perf_counter() - start:.0f} s)")
     model.eval()
+    if os.path.lexists(marker):  # an earlier warm start's: it must not vouch for the weights saved now
+        os.remove(marker)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -36,7 +36,8 @@ def test_warm_start_is_cached_per_task_numerics_and_settings(tmp_path, tiny_sett
 def test_a_kill_while_the_marker_is_written_leaves_no_cut_marker(tmp_path, tiny_settings):
     """T: a real warm start killed (SIGKILL) once it had opened its marker for writing left it empty, and the rerun
     failed with `json.decoder.JSONDecodeError: Expecting value: line 1 column 1 (char 0)`. Now the marker is written
-    whole or not at all: the rerun warm-starts again."""
+    whole or not at all, and the earlier warm start's marker is gone before the new weights are saved over its own:
+    the rerun warm-starts again."""
     import os
     import signal
     import subprocess
@@ -60,6 +61,8 @@ def open_then_die(file, mode="r", *args, **kwargs):
 builtins.open = open_then_die
 warm_start(sys.argv[2], DemoSettings(**{**DEMO_TINY, "warm_start_steps": 4}), "threads1")
 """
+    settings = tiny_settings(warm_start_steps=3)
+    path = warm_start(str(tmp_path), settings, "threads1", log=lambda _: None)  # an earlier one, with its marker
     tests = Path(__file__).parents[1]
     environment = {**os.environ, "PYTHONPATH": str(tests.parent)}
     killed = subprocess.run([sys.executable, "-c", child, str(tests), str(tmp_path)], env=environment)
@@ -67,11 +70,10 @@ warm_start(sys.argv[2], DemoSettings(**{**DEMO_TINY, "warm_start_steps": 4}), "t
     folder = tmp_path / "models" / "warm_start-digit_sum-threads1"
     assert (folder / "model.safetensors").is_file()  # killed after saving the model, writing the marker
 
-    messages = []
-    settings = tiny_settings(warm_start_steps=4)
-    assert warm_start(str(tmp_path), settings, "threads1", log=messages.append) == str(folder)
+    messages = []  # the folder holds the 4-step weights: the 3-step warm start is not taken for them
+    assert warm_start(str(tmp_path), settings, "threads1", log=messages.append) == path == str(folder)
     assert not any("reusing" in m for m in messages)
-    assert json.loads((folder / WARM_START_MARKER).read_text())["settings"]["warm_start_steps"] == 4
+    assert json.loads((folder / WARM_START_MARKER).read_text())["settings"]["warm_start_steps"] == 3
 
 
 @pytest.mark.parametrize("text", ['{"settings": {"task": "digit_su', "[]"])
