@@ -238,7 +238,7 @@ def folder_problem(folder: Path) -> str | None:
     except FileNotFoundError:
         return f"has no {MARKER} (written last by a build)"
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return f"has a {MARKER} without the records of its files (sizes and sha256) a build writes"
+        return f"has an {MARKER} without the records of its files (sizes and sha256) that a build writes"
     stats = {}
     for name, (size, _) in expected.items():
         try:

@@ -164,6 +164,11 @@ def test_a_folder_that_lost_its_marker_is_rebuilt_in_place(tmp_path, stand_in_mo
     assert set(record["files"]) == {"config.json", "model.safetensors", "tokenizer.json"}
     assert smollm2_135m_instruct(cache, gguf_file=gguf) == folder and len(builds) == 2
     assert not leftovers(cache)
+    # a marker without the files' records (an earlier version's): rebuilt too, once
+    (folder / real_model.MARKER).write_text(json.dumps({"gguf_sha256": real_model.GGUF_SHA256}))
+    assert smollm2_135m_instruct(cache, gguf_file=gguf) == folder and len(builds) == 3
+    assert "has an opefo_real_model.json without the records of its files (sizes and sha256)" in caplog.text
+    assert smollm2_135m_instruct(cache, gguf_file=gguf) == folder and len(builds) == 3
 
 
 @pytest.mark.parametrize("text", ['{"path": "x"}', "[1, 2]", '[{"path": "x"}]', "not json"])
