@@ -329,6 +329,29 @@ def read_only_dir(tmp_path):
     subprocess.run(["umount", "-l", str(folder)], check=True)
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """``small_disk(free_pages) -> folder``: a real tmpfs filled up to ``free_pages`` free 4 KiB pages (a full disk
+    where a write fails with ENOSPC). Mounting needs root; skipped elsewhere."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+
+    def fill(free_pages: int):
+        stat = os.statvfs(disk)
+        with open(disk / "filler", "wb") as f:
+            f.write(b"\0" * (stat.f_bavail * stat.f_frsize - free_pages * 4096))
+        assert os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize == free_pages * 4096
+        return disk
+
+    yield fill
+    subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
 # --- The real-model tier: SmolLM2-135M-Instruct (``opefo_trl.real_model``), run by `make test-real` (-m real_model).
 # The suite's addopts deselect the tier; a `-m` expression that replaces them without selecting ``real_model`` (as
 # `make test-fast` and `make test-kernels` give) would run it: its tests are then skipped with the reason, so those

@@ -16,7 +16,8 @@ start-up, such as ``MKL_CBWR``, runs in a process of its own):
 then writes ``OUTPUT_DIR/curves.png`` (entropy, reward, lambda*, flows, measured vs predicted entropy change,
 pass@k against k; mean +- std over seeds), ``summary.md`` (tables per numerics setting, failed runs, the
 pre-registered readings and whether each holds in every setting, and whether two settings gave identical runs:
-``opefo_trl.demo.report``) and ``summary.json``.
+``opefo_trl.demo.report``) and ``summary.json``. One demo writes into ``OUTPUT_DIR`` at a time: it holds the folder's
+lock, as ``opefo-train`` does, and a second is refused.
 
 Tasks (``--task``, ``opefo_trl.demo.tasks``; every fifth target is held out of training for pass@k):
 

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +22,9 @@ from opefo_trl.demo.settings import NUMERICS, NUMERICS_VARIABLES, DemoMethod, De
 from opefo_trl.demo.tasks import TASKS
 from opefo_trl.demo.training import RunResult, build_config, train_one
 from opefo_trl.demo.warm_start import warm_start
+from opefo_trl.real_model import RealModelError
+from opefo_trl.runs.files import RunFolderBusy, RunFolderError, write_json_atomically, write_text_atomically
+from opefo_trl.runs.folder import RunLock, lock_holder
 
 #: Environment the demo runs with, set by ``main`` (before torch is imported) unless already set. OpenMP threads
 #: that wait passively instead of spinning keep a second torch thread from crawling on busy, shared cores.
@@ -34,6 +38,8 @@ ENVIRONMENT = {
 
 #: Each setting's runs and warm-start evaluation, in ``runs/<numerics>/`` (read back when it ran in its own process).
 RESULTS_FILE = "results.json"
+#: What two demos in one output folder would mix (the end of the message the second one gets).
+DEMO_MIXES = "their warm starts, runs and summaries"
 #: The arguments of one ``train_one`` call: method, seed, numerics, model_path, run_dir, settings.
 TrainJob = tuple[DemoMethod, int, str, str, str, DemoSettings]
 
@@ -82,12 +88,32 @@ def run_demo(output_dir: str, settings: DemoSettings, log=print) -> dict[str, st
 
     Settings and every run's ``OPEFOConfig`` are checked before the first warm start (:func:`check_demo`). Each
     setting of ``settings.numerics`` runs in this process (torch's thread count set for it, restored afterwards) or,
-    when it needs environment variables this process was not started with, in a process of its own.
+    when it needs environment variables this process was not started with, in a process of its own. One demo writes
+    into ``output_dir`` at a time: it holds the folder's lock (``opefo_trl.runs.RunLock``, as ``opefo-train`` does),
+    and a second is refused at once (``RunFolderBusy``).
     """
     check_demo(output_dir, settings)
-    assert settings.seeds is not None  # DemoSettings.__post_init__ fills the settings left at None
+    lock = _lock_output_dir(output_dir)
+    try:
+        return _run_demo(output_dir, settings, log)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock_output_dir(output_dir: str) -> RunLock | None:
+    """The lock of ``output_dir``, taken; None in a setting's own process, whose parent demo holds it."""
+    try:
+        return RunLock(output_dir, mixes=DEMO_MIXES).acquire()
+    except RunFolderBusy:
+        holder = lock_holder(output_dir) or {}
+        if holder.get("pid") == os.getppid() and holder.get("host") == socket.gethostname():
+            return None
+        raise
+
+
+def _run_demo(output_dir: str, settings: DemoSettings, log) -> dict[str, str]:
     methods = demo_methods(settings.entropy_coef)
-    os.makedirs(output_dir, exist_ok=True)
     total_start = time.perf_counter()
     results: list[RunResult] = []
     warm_starts: dict[str, HeldOutResult | None] = {}
@@ -100,15 +126,13 @@ def run_demo(output_dir: str, settings: DemoSettings, log=print) -> dict[str, st
         warm_starts[name] = warm
     figure = plot_demo(output_dir, results, settings, warm_starts)
     summary_md = os.path.join(output_dir, "summary.md")
-    with open(summary_md, "w") as f:
-        f.write(summary_markdown(results, settings, warm_starts))
+    write_text_atomically(summary_md, summary_markdown(results, settings, warm_starts))
     summary_json = os.path.join(output_dir, "summary.json")
-    with open(summary_json, "w") as f:
-        json.dump(
-            summary_dict(results, settings, warm_starts) | {"total_seconds": time.perf_counter() - total_start},
-            f,
-            indent=2,
-        )
+    write_json_atomically(
+        summary_json,
+        summary_dict(results, settings, warm_starts) | {"total_seconds": time.perf_counter() - total_start},
+        indent=2,
+    )
     return {"figure": figure, "summary_md": summary_md, "summary_json": summary_json}
 
 
@@ -174,18 +198,17 @@ def _run_setting(
             )
     finally:
         torch.set_num_threads(previous_threads)
-    with open(os.path.join(output_dir, "runs", name, RESULTS_FILE), "w") as f:
-        json.dump(
-            {
-                "numerics": name,
-                "environment": {k: os.environ.get(k) for k in NUMERICS_VARIABLES},
-                "torch_threads": NUMERICS[name].threads,
-                "warm_start": dataclasses.asdict(warm) if warm else None,
-                "runs": [dataclasses.asdict(r) for r in results],
-            },
-            f,
-            indent=2,
-        )
+    write_json_atomically(
+        os.path.join(output_dir, "runs", name, RESULTS_FILE),
+        {
+            "numerics": name,
+            "environment": {k: os.environ.get(k) for k in NUMERICS_VARIABLES},
+            "torch_threads": NUMERICS[name].threads,
+            "warm_start": dataclasses.asdict(warm) if warm else None,
+            "runs": [dataclasses.asdict(r) for r in results],
+        },
+        indent=2,
+    )
     return results, warm
 
 
@@ -371,7 +394,10 @@ def _main(argv: list[str] | None) -> int:
     hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning)
     start = time.perf_counter()
-    paths = run_demo(settings.output_dir, settings, log=lambda msg: print(msg, flush=True))
+    try:
+        paths = run_demo(settings.output_dir, settings, log=lambda msg: print(msg, flush=True))
+    except (RunFolderError, RealModelError) as err:  # another demo in the folder; a model folder it cannot build
+        return report_error(parser.prog, err)
     print(f"\nDone in {time.perf_counter() - start:.0f} s.")
     with open(paths["summary_md"]) as f:
         print(f.read())

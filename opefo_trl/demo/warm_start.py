@@ -9,6 +9,7 @@ import time
 from opefo_trl.data.prompts import render_prompts
 from opefo_trl.demo.settings import DemoSettings
 from opefo_trl.demo.tasks import TASKS
+from opefo_trl.runs.files import write_json_atomically
 
 WARM_START_MARKER = "demo_warm_start.json"
 _WARM_START_KEYS = (
@@ -37,11 +38,9 @@ def warm_start(output_dir: str, settings: DemoSettings, numerics: str, log=print
     path = os.path.join(output_dir, "models", f"warm_start-{task.name}-{numerics}")
     marker = os.path.join(path, WARM_START_MARKER)
     key = {k: getattr(settings, k) for k in _WARM_START_KEYS} | {"numerics": numerics, "targets": task.train_targets}
-    if os.path.exists(marker):
-        with open(marker) as f:
-            if json.load(f).get("settings") == key:
-                log(f"warm start: reusing {path}")
-                return path
+    if _marked_settings(marker, log) == key:
+        log(f"warm start: reusing {path}")
+        return path
 
     base = build_tiny_model(
         os.path.join(output_dir, "models", f"base-{settings.hidden_size}x{settings.num_layers}"),
@@ -86,10 +85,27 @@ def warm_start(output_dir: str, settings: DemoSettings, numerics: str, log=print
         if (step + 1) % 100 == 0 or step + 1 == steps:
             log(f"  warm-start step {step + 1}/{steps}: loss {loss_value:.3f} ({time.perf_counter() - start:.0f} s)")
     model.eval()
+    if os.path.lexists(marker):  # an earlier warm start's: it must not vouch for the weights saved now
+        os.remove(marker)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    with open(marker, "w") as f:
-        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-        json.dump({"settings": key, "final_loss": loss_value, "seconds": seconds, "cpu_seconds": cpu_seconds}, f)
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    write_json_atomically(
+        marker, {"settings": key, "final_loss": loss_value, "seconds": seconds, "cpu_seconds": cpu_seconds}
+    )
     return path
+
+
+def _marked_settings(marker: str, log) -> dict | None:
+    """The settings a finished warm start's marker records; None (saying why, if it exists) if there are none to
+    read: the warm start is then done again, over what its folder holds."""
+    try:
+        with open(marker) as f:
+            marked = json.load(f)
+        return marked["settings"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        log(f"warm start: its marker {marker} is not readable ({type(err).__name__}: {err}): warm-starting again")
+        return None

