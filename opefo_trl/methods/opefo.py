@@ -71,7 +71,8 @@ class OPEFO(TokenMethod):
     table_rows = (
         (
             "OPEFO (default)",
-            '`method="opefo"`; `entropy_flow_estimate` in `opefo` (default), `onaction`, `sign`, `full`, `param`',
+            '`method="opefo"`; `entropy_flow_estimate` in `opefo` (default; the paper\'s, as reconstructed), '
+            "`opefo_centered` (the same less its on-policy mean), `onaction`, `sign`, `full`, `param`",
         ),
         ("OPEFO ablations", '`opefo_lambda=0.001` (static λ), `opefo_sides="increase_only"` / `"decrease_only"`'),
         (
