@@ -115,6 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{run.label}: {run.state_path}")
     if result.missing:
         print(f"note: not logged by any run, left out: {', '.join(result.missing)}")
+    if result.too_short:
+        print(f"note: too few logged steps to draw a curve, left out: {', '.join(result.too_short)}")
     print(f"wrote {result.path}")
     return 0
 
