@@ -182,8 +182,8 @@ def output_dir_policy(script_args, training_args, model_args) -> OutputDirPolicy
 
 def run_inputs(script_args) -> dict:
     """What the run trains on, recorded in each checkpoint and refused on resume when it differs
-    (`opefo_trl.runs.training_inputs`): its data (local files by SHA-256, else the data set's name, config and split)
-    and reward functions (with math_reward_mode)."""
+    (`opefo_trl.runs.training_inputs`): its data (local files by SHA-256, else the data set's name, config and split),
+    prompt template and reward functions (with math_reward_mode)."""
     from opefo_trl.data.loading import resolve_dataset_source
     from opefo_trl.runs import training_inputs
 
@@ -200,6 +200,7 @@ def run_inputs(script_args) -> dict:
         script_args.dataset_files,
         script_args.reward_funcs,
         script_args.math_reward_mode,
+        script_args.prompt_template,
     )
 
 

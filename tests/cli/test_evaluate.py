@@ -306,6 +306,70 @@ def test_the_math_reward_mode_is_a_flag_and_a_mode_it_lacks_is_one_line(tmp_path
     assert "opefo-eval: error: math_reward_mode='exact' is not a mode of the math reward" in capsys.readouterr().err
 
 
+def test_a_run_folder_is_evaluated_with_the_prompt_and_reward_mode_it_was_trained_with(
+    tiny_model_path, bench_file, tmp_path, capsys, caplog
+):
+    """Issue 53: opefo-eval scored a run with its own defaults, whatever the run had trained with. It takes the prompt
+    template and reward mode from the run's record (opefo_run_options.json, which opefo-train writes beside the
+    final model), says so, and the command line overrides them; a folder without a record keeps the defaults."""
+    import shutil
+
+    from opefo_trl.runs import RUN_OPTIONS_NAME
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_model_path, run)
+    (run / RUN_OPTIONS_NAME).write_text(json.dumps({"prompt_template": "worked_example", "math_reward_mode": "strict"}))
+    common = ["--benchmarks", bench_file, "--num_samples", "1", "--max_new_tokens", "2", "--max_problems", "1"]
+    common += ["--backend", "transformers", "--no_progress"]
+
+    def evaluate(model, out, *extra):
+        with caplog.at_level("INFO", logger="opefo_trl.eval.config"):
+            caplog.clear()
+            assert main(["--model_name_or_path", str(model), *common, "--output_dir", str(tmp_path / out), *extra]) == 0
+        config = json.loads((tmp_path / out / "results.json").read_text())["config"]
+        (said,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Evaluating with")]
+        return (config["prompt_template"], config["math_reward_mode"]), said
+
+    record = run / RUN_OPTIONS_NAME
+    assert evaluate(run, "from-run") == (
+        ("worked_example", "strict"),
+        f"Evaluating with prompt_template='worked_example' and math_reward_mode='strict' (the run's, from {record}). "
+        "Give --prompt_template / --math_reward_mode to choose others.",
+    )
+    assert evaluate(run, "overridden", "--math_reward_mode", "equivalent") == (
+        ("worked_example", "equivalent"),
+        f"Evaluating with prompt_template='worked_example' (the run's, from {record}) and "
+        "math_reward_mode='equivalent' (given). Give --prompt_template / --math_reward_mode to choose others.",
+    )
+    assert evaluate(tiny_model_path, "no-record") == (
+        ("qwen_math_boxed", "equivalent"),
+        f"Evaluating with prompt_template='qwen_math_boxed' and math_reward_mode='equivalent' (default; "
+        f"{tiny_model_path} holds no {RUN_OPTIONS_NAME}).",
+    )
+    record.write_text("[]")
+    capsys.readouterr()
+    assert main(["--model_name_or_path", str(run), *common, "--output_dir", str(tmp_path / "bad")]) == 2
+    assert capsys.readouterr().err == (
+        f"opefo-eval: error: {record} holds list, not the mapping of options a run writes.\n"
+    )
+
+
+def test_a_benchmark_that_cannot_be_downloaded_is_one_line(tiny_model_path, tmp_path, monkeypatch, capsys):
+    """Issue 53: the README's first opefo-eval command, offline, ended in a 39-line RuntimeError traceback."""
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'HuggingFaceH4/aime_2024' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    assert main(["--model_name_or_path", tiny_model_path, "--output_dir", str(tmp_path / "eval")]) == 2
+    assert capsys.readouterr().err == (
+        "opefo-eval: error: Could not load benchmark 'aime24' from HuggingFaceH4/aime_2024 (split 'train'): "
+        "ConnectionError: Couldn't reach 'HuggingFaceH4/aime_2024' on the Hub (OfflineModeIsEnabled). Offline, "
+        "download it beforehand or pass a local copy with benchmark_files=aime24=PATH.\n"
+    )
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """``small_disk(free_pages) -> folder``: a real tmpfs filled up to ``free_pages`` free 4 KiB pages (a full disk
