@@ -370,6 +370,21 @@ def test_a_benchmark_that_cannot_be_downloaded_is_one_line(tiny_model_path, tmp_
     )
 
 
+def test_an_adapter_whose_base_model_cannot_be_found_is_one_line(tiny_model_path, bench_file, tmp_path, capsys):
+    """Issue 53: transformers' OSError for a base model neither on the hub nor in the cache was a traceback."""
+    import shutil
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(tiny_model_path, adapter, ignore=shutil.ignore_patterns("config.json", "model.safetensors"))
+    shutil.copy(os.path.join(tiny_model_path, "model.safetensors"), adapter / "adapter_model.safetensors")
+    (adapter / "adapter_config.json").write_text('{"base_model_name_or_path": "nobody/no-such-model"}')
+    argv = ["--model_name_or_path", str(adapter), "--benchmarks", bench_file, "--backend", "transformers"]
+    assert main([*argv, "--no_progress", "--output_dir", str(tmp_path / "eval")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.endswith("\n") and err.count("opefo-eval: error:") == 1
+    assert err.splitlines()[-1].startswith("opefo-eval: error: Cannot load the model 'nobody/no-such-model': ")
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """``small_disk(free_pages) -> folder``: a real tmpfs filled up to ``free_pages`` free 4 KiB pages (a full disk
