@@ -246,7 +246,7 @@ class OPEFOTrainer(ExtensionHooks, GRPOTrainer):
         super().save_model(output_dir, _internal_call)
         folder = output_dir or self.args.output_dir
         # A checkpoint's own save records them after its files; a sharded FSDP save writes no folder here.
-        if self.args.should_save and not _internal_call and os.path.isdir(folder):
+        if self.args.should_save and not _internal_call and folder is not None and os.path.isdir(folder):
             save_run_options(folder, self.args, self.run_inputs)
 
     def _save_checkpoint(self, model, trial):
