@@ -198,7 +198,7 @@ def load_runs(paths: Sequence[str | os.PathLike]) -> list[RunHistory]:
 @dataclass
 class PlotResult:
     """What ``plot_runs`` drew: the PNG path, the metrics plotted (``"pass@k"`` for that panel), those no run had
-    (left out), and the runs with too few logged steps to draw (left out, each with its count)."""
+    (left out), and the runs with too few logged steps for a curve (drawn as points, each with its count)."""
 
     path: str
     plotted: list[str] = field(default_factory=list)
@@ -206,7 +206,7 @@ class PlotResult:
     too_short: list[str] = field(default_factory=list)
 
 
-#: The fewest logged steps that draw a line (one step is a lone point, which a line plot leaves invisible).
+#: The fewest logged steps that draw a curve (one step is a lone point, which a line leaves invisible).
 MIN_STEPS = 2
 
 
@@ -303,18 +303,11 @@ def plot_runs(
             f"None of the metrics {wanted} appear in the runs' log_history (found: {sorted(available)[:20]}). "
             "Were the runs logged with logging_steps and an OPEFO/GRPO trainer?"
         )
-    short = {id(run): note for run in runs if (note := too_few_steps(run, wanted)) is not None}
-    too_short = list(short.values())
-    if len(short) == len(runs):
-        raise ValueError(
-            f"Too few logged steps to draw: {', '.join(too_short)}; a curve needs at least {MIN_STEPS}. Train more "
-            "steps (max_steps), or log more often (logging_steps 1 logs every step)."
-        )
+    too_short = [note for run in runs if (note := too_few_steps(run, wanted)) is not None]
     groups = dict(groups or {})
     grouped: dict[str, list[RunHistory]] = {}
     for run in runs:
-        if id(run) not in short:
-            grouped.setdefault(groups.get(run.label, run.label), []).append(run)
+        grouped.setdefault(groups.get(run.label, run.label), []).append(run)
 
     pass_at_k = {name: list(curves) for name, curves in (pass_at_k or {}).items() if curves}
     for name, curves in pass_at_k.items():
@@ -339,7 +332,9 @@ def plot_runs(
                 label = name if k == 0 else None
                 if label is not None and n > 1:
                     label = f"{name} (n={n})"
-                ax.plot(steps, mean, color=color, linestyle=_LINESTYLES[k % len(_LINESTYLES)], label=label, lw=1.5)
+                linestyle = _LINESTYLES[k % len(_LINESTYLES)]
+                marker = "o" if len(steps) < MIN_STEPS else None  # a lone point: no line to see
+                ax.plot(steps, mean, color=color, linestyle=linestyle, marker=marker, label=label, lw=1.5)
                 if n > 1:
                     lower = mean - std
                     if panel.yscale == "log":  # a band reaching 0 or below has no log-scale picture: leave a gap
@@ -383,7 +378,7 @@ def plot_runs(
     if title:  # its default height is a fraction of the figure's, which a tall grid's top panel titles overlapped
         fig.suptitle(title, y=1 - _TITLE_MARGIN_IN / fig.get_figheight(), va="top")
     notes = [f"Not logged by any run: {', '.join(missing)}"] if missing else []
-    notes += [f"Too few logged steps to draw: {', '.join(too_short)}"] if too_short else []
+    notes += [f"Too few logged steps for a curve (drawn as points): {', '.join(too_short)}"] if too_short else []
     if notes:
         fig.text(0.01, 0.005, ". ".join(notes), fontsize=8, color="0.4")
     fig.tight_layout(rect=(0, 0.03 if notes else 0, 1, 1))  # keeps the panels clear of the title
