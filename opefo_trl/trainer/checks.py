@@ -113,7 +113,7 @@ def check_training_values(args) -> None:
         ...
         ValueError: learning_rate=nan: must be a finite number (every number option is, not inf or nan).
     """
-    check_report_to(getattr(args, "report_to", None))
+    check_report_to(getattr(args, "report_to", []))
     problems = [
         f"{option}: must be a finite number (every number option is, not inf or nan)"
         for option in non_finite_options(args)
