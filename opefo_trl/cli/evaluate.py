@@ -51,6 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         require_extra("math", "math_verify", f"{PROG} (scoring answers)")  # before any model loads
     except INPUT_ERRORS as err:
         return report_error(PROG, err)
+    print(config.prompt_and_reward_source, flush=True)
 
     from opefo_trl.eval import evaluate
     from opefo_trl.eval.store import StoreWriteError

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -25,8 +24,6 @@ TRAINED_WITH = {"prompt_template": DEFAULT_TEMPLATE, "math_reward_mode": DEFAULT
 _FROM_THE_RUN = (
     "the one the run was trained with, recorded in the model folder's opefo_run_options.json by opefo-train; else"
 )
-
-logger = logging.getLogger(__name__)
 
 
 def check_device(device: str) -> None:
@@ -164,6 +161,8 @@ class EvaluationConfig:
         metadata={"help": "Delete samples of an earlier run in output_dir instead of resuming from them."},
     )
     progress: bool = field(default=True, metadata={"help": "Show a progress bar."})
+    #: Which prompt template and reward mode are used, and where each comes from (set on construction; not a flag).
+    prompt_and_reward_source: str = field(default="", init=False, compare=False)
 
     def __post_init__(self):
         if isinstance(self.benchmarks, str):
@@ -206,7 +205,7 @@ class EvaluationConfig:
             raise ValueError(f"Unknown dtype {self.dtype!r}; choose auto, bfloat16, float16 or float32.")
         if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
             raise ValueError(f"output_dir {self.output_dir!r} is a file; give a directory (it is created if missing).")
-        logger.info(self._take_run_settings())
+        self.prompt_and_reward_source = self._take_run_settings()
         get_template(self.prompt_template)  # unknown template: ValueError listing the valid ones
         check_math_reward_mode(self.math_reward_mode)
         parse_benchmark_files(self.benchmark_files)

@@ -307,7 +307,7 @@ def test_the_math_reward_mode_is_a_flag_and_a_mode_it_lacks_is_one_line(tmp_path
 
 
 def test_a_run_folder_is_evaluated_with_the_prompt_and_reward_mode_it_was_trained_with(
-    tiny_model_path, bench_file, tmp_path, capsys, caplog
+    tiny_model_path, bench_file, tmp_path, capsys
 ):
     """Issue 53: opefo-eval scored a run with its own defaults, whatever the run had trained with. It takes the prompt
     template and reward mode from the run's record (opefo_run_options.json, which opefo-train writes beside the
@@ -323,11 +323,11 @@ def test_a_run_folder_is_evaluated_with_the_prompt_and_reward_mode_it_was_traine
     common += ["--backend", "transformers", "--no_progress"]
 
     def evaluate(model, out, *extra):
-        with caplog.at_level("INFO", logger="opefo_trl.eval.config"):
-            caplog.clear()
-            assert main(["--model_name_or_path", str(model), *common, "--output_dir", str(tmp_path / out), *extra]) == 0
+        capsys.readouterr()
+        assert main(["--model_name_or_path", str(model), *common, "--output_dir", str(tmp_path / out), *extra]) == 0
         config = json.loads((tmp_path / out / "results.json").read_text())["config"]
-        (said,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Evaluating with")]
+        said = capsys.readouterr().out.splitlines()[0]  # the first line of its output
+        assert config["prompt_and_reward_source"] == said
         return (config["prompt_template"], config["math_reward_mode"]), said
 
     record = run / RUN_OPTIONS_NAME
