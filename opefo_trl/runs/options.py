@@ -17,8 +17,8 @@ What the run trains on is recorded beside its options when it is known (``opefo-
 :func:`training_inputs`: the training data's identity, its prompt template and the reward functions) and refused on
 resume when it differs. The final model holds the same file (``OPEFOTrainer.save_model``): ``opefo-eval`` reads the
 prompt template and reward mode the run was trained with from it (:func:`read_run_options`).
-A checkpoint that records none of it (written by an earlier version) still resumes, with one line saying that the
-data and rewards were not compared.
+A checkpoint that records none of it (written by an earlier version) still resumes, with one line saying what was
+not compared.
 
 Example:
     >>> refused, taken = compare_options({"learning_rate": 1e-6, "temperature": 1.0},

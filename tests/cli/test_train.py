@@ -1918,8 +1918,8 @@ def test_a_resume_with_other_data_or_rewards_is_refused_and_a_checkpoint_that_re
     with caplog.at_level("WARNING"):
         assert main(resume_1) == 0
     said = (
-        f"Resuming {checkpoint}, which records no training_data, prompt_template, reward_funcs, math_reward_mode (saved "
-        "by an earlier version of opefo-trl): they are not compared with this run's."
+        f"Resuming {checkpoint}, which records no training_data, prompt_template, reward_funcs, math_reward_mode "
+        "(saved by an earlier version of opefo-trl): they are not compared with this run's."
     )
     assert caplog.text.count(said) == 1
 
