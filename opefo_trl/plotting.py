@@ -197,12 +197,26 @@ def load_runs(paths: Sequence[str | os.PathLike]) -> list[RunHistory]:
 
 @dataclass
 class PlotResult:
-    """What ``plot_runs`` drew: the PNG path, the metrics plotted (``"pass@k"`` for that panel) and those no run had
-    (left out)."""
+    """What ``plot_runs`` drew: the PNG path, the metrics plotted (``"pass@k"`` for that panel), those no run had
+    (left out), and the runs with too few logged steps for a curve (drawn as points, each with its count)."""
 
     path: str
     plotted: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
+    too_short: list[str] = field(default_factory=list)
+
+
+#: The fewest logged steps that draw a curve (one step is a lone point, which a line leaves invisible).
+MIN_STEPS = 2
+
+
+def too_few_steps(run: RunHistory, metrics: Sequence[str]) -> str | None:
+    """``"'label' (N logged steps)"`` if ``run`` logged ``metrics`` at fewer than :data:`MIN_STEPS` steps, else None."""
+    steps = sorted(set().union(*(run.series(m)[0].tolist() for m in metrics)))
+    if len(steps) >= MIN_STEPS:
+        return None
+    where = f": step {steps[0]}" if steps else ""
+    return f"{run.label!r} ({len(steps)} logged step{'' if len(steps) == 1 else 's'}{where})"
 
 
 def _smooth(values: np.ndarray, weight: float) -> np.ndarray:
@@ -279,11 +293,6 @@ def plot_runs(
         raise ValueError("plot_runs needs at least one run.")
     if not 0.0 <= smoothing < 1.0:
         raise ValueError(f"smoothing must be in [0, 1), got {smoothing}.")
-    groups = dict(groups or {})
-    grouped: dict[str, list[RunHistory]] = {}
-    for run in runs:
-        grouped.setdefault(groups.get(run.label, run.label), []).append(run)
-
     available = set().union(*(run.keys() for run in runs))
     wanted = [m for panel in panels for m in panel.metrics]
     required = [m for panel in panels if not panel.optional for m in panel.metrics]
@@ -294,6 +303,11 @@ def plot_runs(
             f"None of the metrics {wanted} appear in the runs' log_history (found: {sorted(available)[:20]}). "
             "Were the runs logged with logging_steps and an OPEFO/GRPO trainer?"
         )
+    too_short = [note for run in runs if (note := too_few_steps(run, wanted)) is not None]
+    groups = dict(groups or {})
+    grouped: dict[str, list[RunHistory]] = {}
+    for run in runs:
+        grouped.setdefault(groups.get(run.label, run.label), []).append(run)
 
     pass_at_k = {name: list(curves) for name, curves in (pass_at_k or {}).items() if curves}
     for name, curves in pass_at_k.items():
@@ -318,7 +332,9 @@ def plot_runs(
                 label = name if k == 0 else None
                 if label is not None and n > 1:
                     label = f"{name} (n={n})"
-                ax.plot(steps, mean, color=color, linestyle=_LINESTYLES[k % len(_LINESTYLES)], label=label, lw=1.5)
+                linestyle = _LINESTYLES[k % len(_LINESTYLES)]
+                marker = "o" if len(steps) < MIN_STEPS else None  # a lone point: no line to see
+                ax.plot(steps, mean, color=color, linestyle=linestyle, marker=marker, label=label, lw=1.5)
                 if n > 1:
                     lower = mean - std
                     if panel.yscale == "log":  # a band reaching 0 or below has no log-scale picture: leave a gap
@@ -361,10 +377,12 @@ def plot_runs(
         ax.set_visible(False)
     if title:  # its default height is a fraction of the figure's, which a tall grid's top panel titles overlapped
         fig.suptitle(title, y=1 - _TITLE_MARGIN_IN / fig.get_figheight(), va="top")
-    if missing:
-        fig.text(0.01, 0.005, "Not logged by any run: " + ", ".join(missing), fontsize=8, color="0.4")
-    fig.tight_layout(rect=(0, 0.03 if missing else 0, 1, 1))  # keeps the panels clear of the title
+    notes = [f"Not logged by any run: {', '.join(missing)}"] if missing else []
+    notes += [f"Too few logged steps for a curve (drawn as points): {', '.join(too_short)}"] if too_short else []
+    if notes:
+        fig.text(0.01, 0.005, ". ".join(notes), fontsize=8, color="0.4")
+    fig.tight_layout(rect=(0, 0.03 if notes else 0, 1, 1))  # keeps the panels clear of the title
     output_path = os.fspath(output_path)
     os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
     fig.savefig(output_path, dpi=120)
-    return PlotResult(path=output_path, plotted=plotted, missing=missing)
+    return PlotResult(path=output_path, plotted=plotted, missing=missing, too_short=too_short)

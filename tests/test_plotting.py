@@ -251,3 +251,18 @@ def test_flows_of_different_estimates_share_one_axis_relative_to_their_first_ste
         np.testing.assert_allclose(y, expected, rtol=1e-12)  # one float64 division apart: ~1e-16
     low, high = flow_ax.get_ylim()
     assert high / low < 10  # not the 1e4 a shared absolute axis would span
+
+
+def test_runs_with_fewer_than_two_logged_steps_are_drawn_as_points_and_reported(tmp_path, monkeypatch):
+    """A single logged step is a lone point, which a line leaves invisible: empty axes, no word why (issue 53)."""
+    saved = _drawn_figure(monkeypatch)
+    write_trainer_state(tmp_path / "a", trainer_state_rows(1, 2.0))
+    write_trainer_state(tmp_path / "b", [{"step": 1, "loss": 0.0}])  # logged, but none of the drawn metrics
+    write_trainer_state(tmp_path / "c", trainer_state_rows(3, 2.0))
+    runs = load_runs([tmp_path / "a", tmp_path / "b", tmp_path / "c"])
+    assert plot_runs(runs, tmp_path / "x.png").too_short == ["'a' (1 logged step: step 1)", "'b' (0 logged steps)"]
+    (fig,) = saved
+    reward_ax = next(ax for ax in fig.axes if ax.get_title() == "Reward")
+    markers = {line.get_label(): (line.get_marker(), len(line.get_xdata())) for line in reward_ax.get_lines()}
+    assert markers == {"a": ("o", 1), "c": ("None", 3)}
+    assert "Too few logged steps for a curve (drawn as points): 'a' (1 logged step: step 1)" in fig.texts[0].get_text()

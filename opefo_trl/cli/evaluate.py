@@ -3,10 +3,12 @@ opefo_trl.cli.evaluate`).
 
 Every field of `opefo_trl.eval.EvaluationConfig` is a flag (`--help` lists them); `--config eval.yaml` reads them
 from a YAML file and command-line flags override it, parsed as `opefo-train` parses its options
-(`opefo_trl.cli.options`): an unknown or misspelt key is an error naming the closest options. Wrong input (unknown
-benchmark, missing column, missing model path, pass@k with k > n) is reported before the model is loaded, as
-`opefo-eval: error: ...` with exit status 2, as is a full disk (saying what was kept). Re-running the same command
-resumes an interrupted run from `OUTPUT_DIR/samples.jsonl`.
+(`opefo_trl.cli.options`): an unknown or misspelt key is an error naming the closest options. The prompt template and
+`math_reward_mode` not given are those the run was trained with, as its model folder records them
+(`opefo_run_options.json`, written by `opefo-train`), else `qwen_math_boxed` and `equivalent`; one line says which.
+Wrong input (unknown benchmark, one that cannot be downloaded, missing column, missing model path, pass@k with k > n)
+is reported before the model is loaded, as `opefo-eval: error: ...` with exit status 2, as is a full disk (saying what
+was kept). Re-running the same command resumes an interrupted run from `OUTPUT_DIR/samples.jsonl`.
 
 Examples:
     # The paper's protocol (n=32 on AIME24/AIME25/AMC23, n=1 elsewhere; temperature 1.0, top-p 0.7):
@@ -49,6 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         require_extra("math", "math_verify", f"{PROG} (scoring answers)")  # before any model loads
     except INPUT_ERRORS as err:
         return report_error(PROG, err)
+    print(config.prompt_and_reward_source, flush=True)
 
     from opefo_trl.eval import evaluate
     from opefo_trl.eval.store import StoreWriteError

@@ -98,7 +98,7 @@ def check_output(output: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse options, draw the runs, print what was drawn; return the exit status (2 for bad input)."""
-    from opefo_trl.plotting import load_runs, plot_runs
+    from opefo_trl.plotting import MIN_STEPS, load_runs, plot_runs
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")  # as opefo-eval's
 
@@ -115,6 +115,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{run.label}: {run.state_path}")
     if result.missing:
         print(f"note: not logged by any run, left out: {', '.join(result.missing)}")
+    if result.too_short:
+        print(
+            f"note: too few logged steps for a curve, drawn as points: {', '.join(result.too_short)}; a curve needs "
+            f"{MIN_STEPS} (train more steps, or log more often: logging_steps)"
+        )
     print(f"wrote {result.path}")
     return 0
 

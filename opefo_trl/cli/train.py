@@ -124,7 +124,6 @@ def validate_args(script_args, training_args, model_args) -> None:
         raise ValueError("model_name_or_path is not set: give a hub id or a local model directory.")
     check_model_name_or_path(model_args.model_name_or_path)
     check_training_values(training_args)
-    check_trackers_installed(training_args.report_to)
     # The training options are checked with the trainer's own; the model and script options (e.g. lora_dropout) here.
     non_finite = non_finite_options(model_args) + non_finite_options(script_args)
     if non_finite:
@@ -171,34 +170,6 @@ def validate_args(script_args, training_args, model_args) -> None:
             raise ImportError("use_peft=true needs PEFT: `pip install 'opefo-trl[peft]'`.") from err
 
 
-#: report_to's trackers checked before loading: name -> transformers' check that its package is installed.
-TRACKERS = {
-    "trackio": "is_trackio_available",
-    "wandb": "is_wandb_available",
-    "tensorboard": "is_tensorboard_available",
-    "mlflow": "is_mlflow_available",
-    "comet_ml": "is_comet_available",
-    "swanlab": "is_swanlab_available",
-    "clearml": "is_clearml_available",
-    "neptune": "is_neptune_available",
-}
-
-
-def check_trackers_installed(report_to) -> None:
-    """Refuse a tracker named in ``report_to`` whose package is not installed, before any model loads (transformers
-    would only fail once the trainer is built). Trackers not listed in :data:`TRACKERS` are left to transformers."""
-    from transformers import integrations
-
-    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
-    missing = [name for name in names if name in TRACKERS and not getattr(integrations, TRACKERS[name])()]
-    if missing:
-        raise ImportError(
-            f"report_to names {', '.join(map(repr, missing))}, which is not installed: `pip install "
-            f"{' '.join(missing)}` to log there, or turn the tracker off with `--report_to none` (metrics.jsonl in "
-            "output_dir is written either way)."
-        )
-
-
 def output_dir_policy(script_args, training_args, model_args) -> OutputDirPolicy:
     """What this run may do with its output_dir (`opefo_trl.runs.policy`)."""
     return OutputDirPolicy(
@@ -211,8 +182,8 @@ def output_dir_policy(script_args, training_args, model_args) -> OutputDirPolicy
 
 def run_inputs(script_args) -> dict:
     """What the run trains on, recorded in each checkpoint and refused on resume when it differs
-    (`opefo_trl.runs.training_inputs`): its data (local files by SHA-256, else the data set's name, config and split)
-    and reward functions (with math_reward_mode)."""
+    (`opefo_trl.runs.training_inputs`): its data (local files by SHA-256, else the data set's name, config and split),
+    prompt template and reward functions (with math_reward_mode)."""
     from opefo_trl.data.loading import resolve_dataset_source
     from opefo_trl.runs import training_inputs
 
@@ -229,6 +200,7 @@ def run_inputs(script_args) -> dict:
         script_args.dataset_files,
         script_args.reward_funcs,
         script_args.math_reward_mode,
+        script_args.prompt_template,
     )
 
 

@@ -149,6 +149,12 @@ def resolve_model_source(model_name_or_path: str, base_model_name_or_path: str |
     return ModelSource(model_name_or_path, tokenizer_path=model_name_or_path)
 
 
+def loading_error(what: str, err: OSError) -> FileNotFoundError:
+    """transformers' OSError for files it cannot find (not on the hub, not in the cache when offline, not in a
+    folder), on one line, naming ``what`` failed to load."""
+    return FileNotFoundError(f"Cannot load {what}: {' '.join(str(err).split())}")
+
+
 def vllm_is_available() -> bool:
     """Whether vLLM can be imported (checked without importing it)."""
     return importlib.util.find_spec("vllm") is not None
@@ -262,11 +268,14 @@ class TransformersBackend:
         from transformers import AutoModelForCausalLM
 
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        model = AutoModelForCausalLM.from_pretrained(
-            source.model_path,
-            dtype=_torch_dtype(config.dtype, device),
-            device_map=device if device.startswith("cuda") else None,  # straight to the GPU, no CPU copy
-        )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                source.model_path,
+                dtype=_torch_dtype(config.dtype, device),
+                device_map=device if device.startswith("cuda") else None,  # straight to the GPU, no CPU copy
+            )
+        except OSError as err:  # e.g. an adapter's base model neither on the hub nor in the cache when offline
+            raise loading_error(f"the model {source.model_path!r}", err) from err
         if source.adapter_path is not None:
             try:
                 from peft import PeftModel

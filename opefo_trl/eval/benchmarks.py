@@ -52,8 +52,8 @@ class BenchmarkSpec:
             return datasets.load_dataset(self.dataset_id, self.dataset_config, split=self.split)
         except (FileNotFoundError, ValueError):
             raise
-        except Exception as err:
-            raise RuntimeError(
+        except Exception as err:  # e.g. offline: opefo-eval reports a FileNotFoundError as one line, not a traceback
+            raise FileNotFoundError(
                 f"Could not load benchmark {self.name!r} from {self.dataset_id} (split {self.split!r}): "
                 f"{type(err).__name__}: {err}. Offline, download it beforehand or pass a local copy with "
                 f"benchmark_files={self.name}=PATH."

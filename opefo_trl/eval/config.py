@@ -7,11 +7,23 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from opefo_trl.data.prompts import DEFAULT_TEMPLATE, PROMPT_TEMPLATES, get_template
-from opefo_trl.data.reward_modes import MathRewardMode, check_math_reward_mode, math_reward_mode_field
+from opefo_trl.data.reward_modes import (
+    DEFAULT_MATH_REWARD_MODE,
+    MATH_REWARD_MODE_HELP,
+    MathRewardMode,
+    check_math_reward_mode,
+)
+from opefo_trl.runs.files import RUN_OPTIONS_NAME
+from opefo_trl.runs.options import read_run_options
 
 from .benchmarks import BENCHMARKS, PAPER_BENCHMARKS, parse_benchmark_files
 
 BACKENDS = ("auto", "vllm", "transformers")
+#: Where a default comes from when the option is not given: the run's recorded options, else these.
+TRAINED_WITH = {"prompt_template": DEFAULT_TEMPLATE, "math_reward_mode": DEFAULT_MATH_REWARD_MODE}
+_FROM_THE_RUN = (
+    "the one the run was trained with, recorded in the model folder's opefo_run_options.json by opefo-train; else"
+)
 
 
 def check_device(device: str) -> None:
@@ -100,11 +112,17 @@ class EvaluationConfig:
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (0 = greedy)."})
     top_p: float = field(default=0.7, metadata={"help": "Nucleus sampling top-p (paper: 0.7)."})
     max_new_tokens: int = field(default=3000, metadata={"help": "Maximum tokens generated per sample."})
-    prompt_template: str = field(
-        default=DEFAULT_TEMPLATE,
-        metadata={"help": f"Prompt template of opefo_trl.data.prompts: {', '.join(PROMPT_TEMPLATES)}."},
+    prompt_template: str | None = field(
+        default=None,
+        metadata={
+            "help": f"Prompt template of opefo_trl.data.prompts: {', '.join(PROMPT_TEMPLATES)}. Default: "
+            f"{_FROM_THE_RUN} {DEFAULT_TEMPLATE!r}."
+        },
     )
-    math_reward_mode: MathRewardMode = math_reward_mode_field()
+    math_reward_mode: MathRewardMode | None = field(
+        default=None,
+        metadata={"help": f"{MATH_REWARD_MODE_HELP} Default: {_FROM_THE_RUN} {DEFAULT_MATH_REWARD_MODE!r}."},
+    )
     seed: int = field(
         default=0,
         metadata={
@@ -143,6 +161,8 @@ class EvaluationConfig:
         metadata={"help": "Delete samples of an earlier run in output_dir instead of resuming from them."},
     )
     progress: bool = field(default=True, metadata={"help": "Show a progress bar."})
+    #: Which prompt template and reward mode are used, and where each comes from (set on construction; not a flag).
+    prompt_and_reward_source: str = field(default="", init=False, compare=False)
 
     def __post_init__(self):
         if isinstance(self.benchmarks, str):
@@ -185,9 +205,39 @@ class EvaluationConfig:
             raise ValueError(f"Unknown dtype {self.dtype!r}; choose auto, bfloat16, float16 or float32.")
         if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
             raise ValueError(f"output_dir {self.output_dir!r} is a file; give a directory (it is created if missing).")
+        self.prompt_and_reward_source = self._take_run_settings()
         get_template(self.prompt_template)  # unknown template: ValueError listing the valid ones
         check_math_reward_mode(self.math_reward_mode)
         parse_benchmark_files(self.benchmark_files)
+
+    def _take_run_settings(self) -> str:
+        """Set the prompt template and reward mode left unset to those the run was trained with, as the model folder
+        records them (``opefo_run_options.json``, written by ``opefo-train`` into its final model and every
+        checkpoint), else to the defaults (:data:`TRAINED_WITH`); return the line saying which are used, and why.
+
+        Raises:
+            ValueError: the folder's record is not a JSON mapping.
+        """
+        assert self.model_name_or_path is not None
+        folder = os.path.expanduser(self.model_name_or_path)
+        record = read_run_options(folder) if os.path.isdir(folder) else None
+        where = os.path.join(folder, RUN_OPTIONS_NAME)
+        missing = f"{folder} holds no {RUN_OPTIONS_NAME}" if os.path.isdir(folder) else "not a local run folder"
+        used: dict[str, list[str]] = {}  # source: the settings it gave
+        for name, default in TRAINED_WITH.items():
+            if getattr(self, name) is not None:
+                source = "given"
+            elif record is not None and name in record:
+                setattr(self, name, record[name])
+                source = f"the run's, from {where}"
+            else:
+                setattr(self, name, default)
+                source = f"default; {where} records none" if record is not None else f"default; {missing}"
+            used.setdefault(source, []).append(f"{name}={getattr(self, name)!r}")
+        said = " and ".join(f"{' and '.join(names)} ({source})" for source, names in used.items())
+        from_run = any(source.startswith("the run's") for source in used)
+        override = " Give --prompt_template / --math_reward_mode to choose others." if from_run else ""
+        return f"Evaluating with {said}.{override}"
 
     def generation_settings(self, backend: str) -> dict[str, Any]:
         """The settings a stored sample depends on; resuming with different ones is refused."""

@@ -20,7 +20,14 @@ from opefo_trl.runs.files import (
 )
 from opefo_trl.runs.folder import RunLock
 
-from .backends import ModelSource, TransformersBackend, VLLMBackend, resolve_model_source, select_backend
+from .backends import (
+    ModelSource,
+    TransformersBackend,
+    VLLMBackend,
+    loading_error,
+    resolve_model_source,
+    select_backend,
+)
 from .benchmarks import build_prompt_ids, context_length_warning, load_problems, resolve_benchmarks
 from .config import EvaluationConfig
 from .metrics import average_over_benchmarks, compute_benchmark_metrics, format_markdown_table, score_problem
@@ -41,7 +48,7 @@ def _load_tokenizer(source: ModelSource):
     try:
         return AutoTokenizer.from_pretrained(name)
     except OSError as err:  # not on the hub, not in the cache when offline, or a directory without a tokenizer
-        raise FileNotFoundError(f"Cannot load the tokenizer of {name!r}: {err}") from err
+        raise loading_error(f"the tokenizer of {name!r}", err) from err
 
 
 def _context_length(source: ModelSource, config: EvaluationConfig, backend_name: str) -> int | None:

@@ -66,7 +66,7 @@ from opefo_trl.runs.folder import (
     write_manifest,
 )
 from opefo_trl.runs.metrics import metrics_files, read_metrics_lines
-from opefo_trl.runs.options import check_resume_options, training_inputs
+from opefo_trl.runs.options import check_resume_options, read_run_options, training_inputs
 from opefo_trl.runs.policy import OutputDirPolicy
 
 __all__ = [
@@ -106,6 +106,7 @@ __all__ = [
     "metrics_files",
     "previous_whole_checkpoint",
     "read_manifest",
+    "read_run_options",
     "read_metrics_lines",
     "record_in_manifest",
     "recover_interrupted_run",

@@ -14,9 +14,11 @@ its own, following what transformers' ``Trainer`` restores from a checkpoint:
 are not compared.
 
 What the run trains on is recorded beside its options when it is known (``opefo-train`` gives the trainer
-:func:`training_inputs`: the training data's identity and the reward functions) and refused on resume when it differs.
-A checkpoint that records none of it (written by an earlier version) still resumes, with one line saying that the
-data and rewards were not compared.
+:func:`training_inputs`: the training data's identity, its prompt template and the reward functions) and refused on
+resume when it differs. The final model holds the same file (``OPEFOTrainer.save_model``): ``opefo-eval`` reads the
+prompt template and reward mode the run was trained with from it (:func:`read_run_options`).
+A checkpoint that records none of it (written by an earlier version) still resumes, with one line saying what was
+not compared.
 
 Example:
     >>> refused, taken = compare_options({"learning_rate": 1e-6, "temperature": 1.0},
@@ -37,7 +39,7 @@ from typing import Any
 from opefo_trl.runs.files import RUN_OPTIONS_NAME, CheckpointError, checkpoint_step, write_json_atomically
 
 #: What the run trains on (:func:`training_inputs`), recorded when the trainer is given it; refused on resume.
-INPUTS: tuple[str, ...] = ("training_data", "reward_funcs", "math_reward_mode")
+INPUTS: tuple[str, ...] = ("training_data", "prompt_template", "reward_funcs", "math_reward_mode")
 #: Refused on resume, by why (the reason is part of the error).
 REFUSED: dict[str, tuple[str, ...]] = {
     "the checkpoint's scheduler and optimizer state would override it (transformers restores them)": (
@@ -113,14 +115,15 @@ def training_inputs(
     data_files: list[str] | None,
     reward_funcs: list[str],
     math_reward_mode: str | None = None,
+    prompt_template: str | None = None,
 ) -> dict[str, Any]:
     """What a run trains on, as its checkpoints record it (:data:`INPUTS`): the training data (local files by name and
-    SHA-256, so a moved file is the same data and an edited one is not; a data set by name, config and split) and the
-    reward functions by the names the run was given, with ``math_reward_mode`` when given.
+    SHA-256, so a moved file is the same data and an edited one is not; a data set by name, config and split), the
+    reward functions by the names the run was given, and ``math_reward_mode`` and ``prompt_template`` when given.
 
-    >>> inputs = training_inputs("dapo-math-17k", "default", "train", None, ["math_accuracy_reward"], "strict")
-    >>> inputs["training_data"], inputs["reward_funcs"], inputs["math_reward_mode"]
-    ('dapo-math-17k (config default, split train)', ['math_accuracy_reward'], 'strict')
+    >>> inputs = training_inputs("dapo-math-17k", "default", "train", None, ["math_accuracy_reward"], "strict", "dapo")
+    >>> inputs["training_data"], inputs["reward_funcs"], inputs["math_reward_mode"], inputs["prompt_template"]
+    ('dapo-math-17k (config default, split train)', ['math_accuracy_reward'], 'strict', 'dapo')
     """
     files = list(data_files or ([dataset_name] if os.path.isfile(dataset_name) else []))
     if files:
@@ -130,6 +133,8 @@ def training_inputs(
     inputs: dict[str, Any] = {"training_data": data, "reward_funcs": list(reward_funcs)}
     if math_reward_mode is not None:
         inputs["math_reward_mode"] = _plain(math_reward_mode)
+    if prompt_template is not None:
+        inputs["prompt_template"] = prompt_template
     return inputs
 
 
@@ -143,6 +148,25 @@ def run_options(args: Any, inputs: dict[str, Any] | None = None) -> dict[str, An
 
 def save_run_options(checkpoint: str, args: Any, inputs: dict[str, Any] | None = None) -> None:
     write_json_atomically(os.path.join(checkpoint, RUN_OPTIONS_NAME), run_options(args, inputs))
+
+
+def read_run_options(folder: str) -> dict[str, Any] | None:
+    """The options recorded in ``folder`` (a checkpoint or a saved final model), or None if it holds none.
+
+    Raises:
+        ValueError: the file is there but is not a JSON mapping.
+    """
+    path = os.path.join(folder, RUN_OPTIONS_NAME)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            options = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path} cannot be read as JSON ({err}); restore it from another copy of the run.") from err
+    if not isinstance(options, dict):
+        raise ValueError(f"{path} holds {type(options).__name__}, not the mapping of options a run writes.")
+    return options
 
 
 def compare_options(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:
@@ -163,11 +187,8 @@ def check_resume_options(checkpoint: str, args: Any, inputs: dict[str, Any] | No
     else changes, and that the inputs were not compared when the checkpoint records none (an earlier release). A
     checkpoint without ``opefo_run_options.json`` (of an earlier release) is compared through its
     ``training_args.bin``."""
-    path = os.path.join(checkpoint, RUN_OPTIONS_NAME)
-    if os.path.isfile(path):
-        with open(path) as f:
-            saved = json.load(f)
-    else:
+    saved = read_run_options(checkpoint)
+    if saved is None:
         saved = _options_of_training_args(checkpoint)
         if saved is None:
             return [
@@ -191,7 +212,7 @@ def check_resume_options(checkpoint: str, args: Any, inputs: dict[str, Any] | No
     if unrecorded:
         lines.append(
             f"Resuming {checkpoint}, which records no {', '.join(unrecorded)} (saved by an earlier version of "
-            "opefo-trl): this run's data and reward functions are not compared with those it was trained on."
+            "opefo-trl): they are not compared with this run's."
         )
     return lines
 

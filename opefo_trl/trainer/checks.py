@@ -113,6 +113,7 @@ def check_training_values(args) -> None:
         ...
         ValueError: learning_rate=nan: must be a finite number (every number option is, not inf or nan).
     """
+    check_report_to(getattr(args, "report_to", []))
     problems = [
         f"{option}: must be a finite number (every number option is, not inf or nan)"
         for option in non_finite_options(args)
@@ -225,6 +226,61 @@ def vllm_option_problems(gpu_memory_utilization: float | None, tensor_parallel_s
     if tensor_parallel_size is not None and tensor_parallel_size < 1:
         problems.append(f"vllm_tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
     return problems
+
+
+def check_report_to(report_to: Any) -> None:
+    """Refuse a ``report_to`` the trainer could not log to, before any model loads: transformers refuses an unknown
+    name, and a tracker whose package is missing, only once the trainer is built.
+
+    ``report_to`` is as `TrainingArguments` leaves it ("all" and "none" already expanded into a list). Known names are
+    transformers' (``INTEGRATION_TO_CALLBACK``); a tracker it does not list as installed
+    (``get_available_reporting_integrations``) is built as the trainer would build it, so that its own error, naming
+    what to install, is the one reported.
+
+    Example:
+        >>> check_report_to(["wandbb"])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: report_to names 'wandbb' (did you mean 'wandb'?), which transformers does not log to; ...
+    """
+    import difflib
+
+    from transformers.integrations import INTEGRATION_TO_CALLBACK, integration_utils
+
+    names = list(report_to) if isinstance(report_to, (list, tuple)) else [report_to]
+    known = ", ".join(["none", "all", *INTEGRATION_TO_CALLBACK])
+    not_names = [name for name in names if not isinstance(name, str)]
+    if not_names:
+        raise ValueError(
+            f"report_to={report_to!r} holds {', '.join(map(repr, not_names))}, which is not a tracker's name (YAML "
+            "reads an unquoted no, off or false as false, and null as None); write `report_to: none` to log to no "
+            f"tracker, or name trackers: {known}."
+        )
+    names = [name for name in names if name not in ("none", "all")]  # as given, before TrainingArguments expands them
+    unknown = []
+    for name in names:
+        if name not in INTEGRATION_TO_CALLBACK:
+            close = difflib.get_close_matches(name, ["none", "all", *INTEGRATION_TO_CALLBACK], n=1)
+            unknown.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    if unknown:
+        raise ValueError(
+            f"report_to names {', '.join(unknown)}, which transformers does not log to; give none, all or trackers "
+            f"among: {known}."
+        )
+    installed = integration_utils.get_available_reporting_integrations()
+    missing = []
+    for name in names:
+        if name in installed:
+            continue
+        try:  # transformers' own check, with what to install (a tracker it does not list, e.g. flyte, may still build)
+            INTEGRATION_TO_CALLBACK[name]()
+        except Exception as err:  # noqa: BLE001 - whatever the tracker raises, the trainer would raise it later
+            missing.append(f"{name!r} ({str(err).strip()})")
+    if missing:
+        raise ImportError(
+            f"report_to names {', '.join(missing)}, which cannot log here: install what it names, or turn the "
+            "tracker off with `--report_to none` (metrics.jsonl in output_dir is written either way)."
+        )
 
 
 def check_vllm_setup(args, model: Any) -> None:

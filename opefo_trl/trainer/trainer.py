@@ -39,6 +39,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import os
 from functools import partial
 
 import torch
@@ -60,6 +61,7 @@ from opefo_trl.runs import (  # noqa: E402
     resume_checkpoint,
     saving_checkpoint,
 )
+from opefo_trl.runs.options import save_run_options  # noqa: E402
 from opefo_trl.trainer import model_setup  # noqa: E402
 from opefo_trl.trainer.checks import (  # noqa: E402
     check_dropout,
@@ -237,6 +239,15 @@ class OPEFOTrainer(ExtensionHooks, GRPOTrainer):
                 self.token_method.load_state_dict(state)
         self._resumed_checkpoint, self._policy_checked = checkpoint, False
         return super().train(checkpoint, *args, **kwargs)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """`Trainer.save_model`, and beside the model the run's options and what it trained on, as every checkpoint
+        records them (`opefo_run_options.json`): `opefo-eval` takes the prompt template and reward mode from there."""
+        super().save_model(output_dir, _internal_call)
+        folder = output_dir or self.args.output_dir
+        # A checkpoint's own save records them after its files; a sharded FSDP save writes no folder here.
+        if self.args.should_save and not _internal_call and folder is not None and os.path.isdir(folder):
+            save_run_options(folder, self.args, self.run_inputs)
 
     def _save_checkpoint(self, model, trial):
         method_state = lambda: (self.args.method, self.token_method.state_dict())  # noqa: E731

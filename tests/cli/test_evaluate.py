@@ -306,6 +306,85 @@ def test_the_math_reward_mode_is_a_flag_and_a_mode_it_lacks_is_one_line(tmp_path
     assert "opefo-eval: error: math_reward_mode='exact' is not a mode of the math reward" in capsys.readouterr().err
 
 
+def test_a_run_folder_is_evaluated_with_the_prompt_and_reward_mode_it_was_trained_with(
+    tiny_model_path, bench_file, tmp_path, capsys
+):
+    """Issue 53: opefo-eval scored a run with its own defaults, whatever the run had trained with. It takes the prompt
+    template and reward mode from the run's record (opefo_run_options.json, which opefo-train writes beside the
+    final model), says so, and the command line overrides them; a folder without a record keeps the defaults."""
+    import shutil
+
+    from opefo_trl.runs import RUN_OPTIONS_NAME
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_model_path, run)
+    (run / RUN_OPTIONS_NAME).write_text(json.dumps({"prompt_template": "worked_example", "math_reward_mode": "strict"}))
+    common = ["--benchmarks", bench_file, "--num_samples", "1", "--max_new_tokens", "2", "--max_problems", "1"]
+    common += ["--backend", "transformers", "--no_progress"]
+
+    def evaluate(model, out, *extra):
+        capsys.readouterr()
+        assert main(["--model_name_or_path", str(model), *common, "--output_dir", str(tmp_path / out), *extra]) == 0
+        config = json.loads((tmp_path / out / "results.json").read_text())["config"]
+        said = capsys.readouterr().out.splitlines()[0]  # the first line of its output
+        assert config["prompt_and_reward_source"] == said
+        return (config["prompt_template"], config["math_reward_mode"]), said
+
+    record = run / RUN_OPTIONS_NAME
+    assert evaluate(run, "from-run") == (
+        ("worked_example", "strict"),
+        f"Evaluating with prompt_template='worked_example' and math_reward_mode='strict' (the run's, from {record}). "
+        "Give --prompt_template / --math_reward_mode to choose others.",
+    )
+    assert evaluate(run, "overridden", "--math_reward_mode", "equivalent") == (
+        ("worked_example", "equivalent"),
+        f"Evaluating with prompt_template='worked_example' (the run's, from {record}) and "
+        "math_reward_mode='equivalent' (given). Give --prompt_template / --math_reward_mode to choose others.",
+    )
+    assert evaluate(tiny_model_path, "no-record") == (
+        ("qwen_math_boxed", "equivalent"),
+        f"Evaluating with prompt_template='qwen_math_boxed' and math_reward_mode='equivalent' (default; "
+        f"{tiny_model_path} holds no {RUN_OPTIONS_NAME}).",
+    )
+    record.write_text("[]")
+    capsys.readouterr()
+    assert main(["--model_name_or_path", str(run), *common, "--output_dir", str(tmp_path / "bad")]) == 2
+    assert capsys.readouterr().err == (
+        f"opefo-eval: error: {record} holds list, not the mapping of options a run writes.\n"
+    )
+
+
+def test_a_benchmark_that_cannot_be_downloaded_is_one_line(tiny_model_path, tmp_path, monkeypatch, capsys):
+    """Issue 53: the README's first opefo-eval command, offline, ended in a 39-line RuntimeError traceback."""
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'HuggingFaceH4/aime_2024' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    assert main(["--model_name_or_path", tiny_model_path, "--output_dir", str(tmp_path / "eval")]) == 2
+    assert capsys.readouterr().err == (
+        "opefo-eval: error: Could not load benchmark 'aime24' from HuggingFaceH4/aime_2024 (split 'train'): "
+        "ConnectionError: Couldn't reach 'HuggingFaceH4/aime_2024' on the Hub (OfflineModeIsEnabled). Offline, "
+        "download it beforehand or pass a local copy with benchmark_files=aime24=PATH.\n"
+    )
+
+
+def test_an_adapter_whose_base_model_cannot_be_found_is_one_line(tiny_model_path, bench_file, tmp_path, capsys):
+    """Issue 53: transformers' OSError for a base model neither on the hub nor in the cache was a traceback."""
+    import shutil
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(tiny_model_path, adapter, ignore=shutil.ignore_patterns("config.json", "model.safetensors"))
+    shutil.copy(os.path.join(tiny_model_path, "model.safetensors"), adapter / "adapter_model.safetensors")
+    (adapter / "adapter_config.json").write_text('{"base_model_name_or_path": "nobody/no-such-model"}')
+    argv = ["--model_name_or_path", str(adapter), "--benchmarks", bench_file, "--backend", "transformers"]
+    assert main([*argv, "--no_progress", "--output_dir", str(tmp_path / "eval")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.endswith("\n") and err.count("opefo-eval: error:") == 1
+    assert err.splitlines()[-1].startswith("opefo-eval: error: Cannot load the model 'nobody/no-such-model': ")
+
+
 @pytest.mark.parametrize(
     "free_pages, stored",
     [(0, 0), (1, 0), (3, None)],

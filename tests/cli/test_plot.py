@@ -117,3 +117,15 @@ def test_a_cut_off_last_metrics_line_is_left_out_with_a_warning(tmp_path):
     metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))  # whole: nothing to say
     done = subprocess.run(command, env=environment, capture_output=True, text=True)
     assert done.returncode == 0 and done.stderr == ""
+
+
+def test_a_run_with_too_few_logged_steps_is_named_not_drawn_as_empty_axes(tmp_path, capsys):
+    """Issue 53: a one-step run drew empty axes and said nothing."""
+    write_trainer_state(tmp_path / "one-step", trainer_state_rows(1, 2.0))
+    out = tmp_path / "x.png"
+    assert plot_main([str(tmp_path / "one-step"), "--output", str(out)]) == 0
+    assert (
+        "note: too few logged steps for a curve, drawn as points: 'one-step' (1 logged step: step 1); a curve needs "
+        "2 (train more steps, or log more often: logging_steps)\n"
+    ) in capsys.readouterr().out
+    assert png_size(out)[0] > 0

@@ -227,10 +227,9 @@ def test_a_tracker_that_is_not_installed_is_refused_before_loading(
     report_to, tiny_model_path, problems_file, tmp_path, no_model_loading, monkeypatch, capsys
 ):
     """The recipes log to trackio: without it, one line saying how to install it or turn it off."""
-    import transformers.integrations
+    from transformers.integrations import integration_utils
 
-    monkeypatch.setattr(transformers.integrations, "is_trackio_available", lambda: False)
-    monkeypatch.setattr(transformers.integrations, "is_tensorboard_available", lambda: True)
+    monkeypatch.setattr(integration_utils, "get_available_reporting_integrations", lambda: ["tensorboard"])
     recipe = tmp_path / "tracked.yaml"
     recipe.write_text(f"base: {os.path.abspath(RECIPE)}\nreport_to: {report_to}\n")
     overrides = _cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "out"))
@@ -238,10 +237,38 @@ def test_a_tracker_that_is_not_installed_is_refused_before_loading(
     assert overrides[tracker_off : tracker_off + 2] == ["--report_to", "none"]
     assert main(["--config", str(recipe), *overrides[:tracker_off], *overrides[tracker_off + 2 :]]) == 2
     assert capsys.readouterr().err == (
-        "opefo-train: error: report_to names 'trackio', which is not installed: `pip install trackio` to log there, "
-        "or turn the tracker off with `--report_to none` (metrics.jsonl in output_dir is written either way).\n"
+        "opefo-train: error: report_to names 'trackio' (TrackioCallback requires trackio to be installed. Run `pip "
+        "install trackio`.), which cannot log here: install what it names, or turn the tracker off with `--report_to "
+        "none` (metrics.jsonl in output_dir is written either way).\n"
     )
     assert parse_args(["--config", str(recipe), *overrides])[1].report_to == []
+
+
+@pytest.mark.parametrize(
+    ("report_to", "expected"),
+    [
+        ("wandbb", "report_to names 'wandbb' (did you mean 'wandb'?), which transformers does not log to; give none, "),
+        ("dvclive", "report_to names 'dvclive' (DVCLiveCallback requires dvclive to be installed. Run `pip install "),
+        ("codecarbon", "report_to names 'codecarbon' (CodeCarbonCallback requires `codecarbon` to be installed. "),
+        (
+            "no",
+            "report_to=[False] holds False, which is not a tracker's name (YAML reads an unquoted no, off or false ",
+        ),
+        ("null", "report_to=[None] holds None, which is not a tracker's name"),
+    ],
+)
+def test_every_report_to_transformers_refuses_is_one_line_before_loading(
+    report_to, expected, tiny_model_path, problems_file, tmp_path, no_model_loading, capsys
+):
+    """Issue 53: a misspelt tracker, one opefo-train did not list, or a YAML `no` (read as false) ended in a raw
+    ValueError once the model had loaded."""
+    recipe = tmp_path / "tracked.yaml"
+    recipe.write_text(f"base: {os.path.abspath(RECIPE)}\nreport_to: {report_to}\n")
+    overrides = _cpu_overrides(tiny_model_path, problems_file, str(tmp_path / "out"))
+    tracker_off = overrides.index("--report_to")
+    assert main(["--config", str(recipe), *overrides[:tracker_off], *overrides[tracker_off + 2 :]]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"opefo-train: error: {expected}") and err.count("\n") == 1
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1845,6 +1872,9 @@ def test_a_resume_with_other_data_or_rewards_is_refused_and_a_checkpoint_that_re
         ["math_accuracy_reward", "opefo_cli_test_rewards.digit_overlap_reward"],
         "equivalent",
     )
+    assert recorded["prompt_template"] == "qwen_math_boxed"
+    # The final model records them too: opefo-eval reads the prompt template and reward mode from there (issue 53).
+    assert json.loads((out / RUN_OPTIONS_NAME).read_text()) == recorded
     edited, moved = tmp_path / "edited" / "problems.jsonl", tmp_path / "moved" / "problems.jsonl"
     for copy in (edited, moved):
         copy.parent.mkdir()
@@ -1866,6 +1896,10 @@ def test_a_resume_with_other_data_or_rewards_is_refused_and_a_checkpoint_that_re
             "['math_accuracy_reward']: the steps already trained learned from other data or rewards",
         ),
         (["--math_reward_mode", "strict"], "math_reward_mode equivalent -> strict: the steps already trained learned"),
+        (
+            ["--prompt_template", "worked_example"],
+            "prompt_template qwen_math_boxed -> worked_example: the steps already trained learned from other data",
+        ),
     ):  # fmt: skip
         assert main([*resume, *extra]) == 2
         err = _cli_error(capsys.readouterr().err)
@@ -1876,7 +1910,7 @@ def test_a_resume_with_other_data_or_rewards_is_refused_and_a_checkpoint_that_re
 
     # A checkpoint of an earlier version records neither: it resumes, and says once that nothing was compared.
     options = json.loads((checkpoint / RUN_OPTIONS_NAME).read_text())
-    for name in ("training_data", "reward_funcs", "math_reward_mode"):
+    for name in ("training_data", "prompt_template", "reward_funcs", "math_reward_mode"):
         del options[name]
     (checkpoint / RUN_OPTIONS_NAME).write_text(json.dumps(options))
     mark_checkpoint_complete(str(checkpoint))
@@ -1884,8 +1918,8 @@ def test_a_resume_with_other_data_or_rewards_is_refused_and_a_checkpoint_that_re
     with caplog.at_level("WARNING"):
         assert main(resume_1) == 0
     said = (
-        f"Resuming {checkpoint}, which records no training_data, reward_funcs, math_reward_mode (saved by an earlier "
-        "version of opefo-trl): this run's data and reward functions are not compared with those it was trained on."
+        f"Resuming {checkpoint}, which records no training_data, prompt_template, reward_funcs, math_reward_mode "
+        "(saved by an earlier version of opefo-trl): they are not compared with this run's."
     )
     assert caplog.text.count(said) == 1
 

@@ -53,7 +53,7 @@ def test_hub_load_failure_explains_offline_workaround(monkeypatch):
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
     (bench,) = resolve_benchmarks(EvaluationConfig(model_name_or_path="m", benchmarks=["math500"]))
-    with pytest.raises(RuntimeError, match=r"math500.*HuggingFaceH4/MATH-500.*benchmark_files=math500=PATH"):
+    with pytest.raises(FileNotFoundError, match=r"math500.*HuggingFaceH4/MATH-500.*benchmark_files=math500=PATH"):
         load_problems(bench)
 
 

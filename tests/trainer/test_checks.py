@@ -322,6 +322,28 @@ def test_vllm_options_that_need_a_gpu_are_refused_before_loading(overrides, mess
 
 
 @pytest.mark.parametrize(
+    "report_to, error, message",
+    [
+        ("wandbb", ValueError, r"report_to names 'wandbb' \(did you mean 'wandb'\?\), which transformers does not log"),
+        (["tensorboard", "dvclive"], ImportError, r"report_to names 'dvclive' \(DVCLiveCallback requires dvclive "),
+        (False, ValueError, r"report_to=\[False\] holds False, which is not a tracker's name"),
+    ],
+)
+def test_a_report_to_the_trainer_cannot_log_to_is_refused_before_loading(
+    report_to, error, message, length_reward, tmp_path, monkeypatch
+):
+    """Issue 53: transformers refuses these only once the trainer is built, after the model loaded (here one that
+    does not exist); a tracker transformers lists as installed is not built."""
+    from transformers.integrations import integration_utils
+
+    monkeypatch.setattr(integration_utils, "get_available_reporting_integrations", lambda: ["tensorboard"])
+    args = OPEFOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=report_to)
+    with pytest.raises(error, match=message):
+        OPEFOTrainer("no-such-org/no-such-model", length_reward, args=args)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
     "num_prompts, overrides",
     [
         (16, dict(per_device_train_batch_size=8, num_generations=4, max_steps=-1, num_train_epochs=1)),
