@@ -428,9 +428,10 @@ def reward_problem(name: str, rewards: Any, expected: int | None) -> str | None:
     did not show how many, any number of rewards); None if nothing."""
     values = _as_list(rewards)
     if not isinstance(values, list):  # (a 0-d array's tolist() is a number)
+        count = "" if expected is None else f"{expected} "
         return (
             f"Reward function {name!r} returned {rewards!r:.200} (a {type(rewards).__name__}); it must return a list "
-            f"of {'' if expected is None else f'{expected} '}numbers, one per completion (None leaves a completion out)."
+            f"of {count}numbers, one per completion (None leaves a completion out)."
         )
     if expected is None:
         expected = len(values)
@@ -518,7 +519,8 @@ class RewardCheck:
 
     A failing function is replaced by zeros for the rest of the computation, so that every process reaches the
     gather of the rewards; the first failure is kept and raised afterwards. A checked function keeps the user's
-    function's name and holds it as ``__wrapped__``.
+    function's name and holds it as ``__wrapped__`` (``inspect.signature`` gives the function's), and takes the same
+    arguments.
 
     Example:
         >>> check = RewardCheck()
