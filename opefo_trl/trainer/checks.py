@@ -479,14 +479,18 @@ def _as_list(rewards: Any) -> list | None:
     return rewards.tolist() if hasattr(rewards, "tolist") else list(rewards)
 
 
-def reward_problem(name: str, rewards: Any, expected: int) -> str | None:
-    """What is wrong with what reward function ``name`` returned for ``expected`` completions; None if nothing."""
+def reward_problem(name: str, rewards: Any, expected: int | None) -> str | None:
+    """What is wrong with what reward function ``name`` returned for ``expected`` completions (None: a call that
+    did not show how many, any number of rewards); None if nothing."""
     values = _as_list(rewards)
     if not isinstance(values, list):  # (a 0-d array's tolist() is a number)
+        count = "" if expected is None else f"{expected} "
         return (
             f"Reward function {name!r} returned {rewards!r:.200} (a {type(rewards).__name__}); it must return a list "
-            f"of {expected} numbers, one per completion (None leaves a completion out)."
+            f"of {count}numbers, one per completion (None leaves a completion out)."
         )
+    if expected is None:
+        expected = len(values)
     if len(values) != expected:
         return (
             f"Reward function {name!r} returned {len(values)} rewards for {expected} completions; it must return one "
@@ -541,6 +545,10 @@ def _shown(value: Any) -> str:
         return f"an integer of {len(str(abs(int(value))))} digits"
 
 
+#: What TRL passes a reward function with one entry per completion. A direct call may pass only some of them (TRL's
+#: reward of an environment that owns it takes only ``environments``): the first one given says how many rewards.
+PER_COMPLETION_KWARGS = ("completions", "prompts", "completion_ids", "environments")
+
 #: What TRL gives every reward function as it is: the trainer's state and its logging hooks, not data.
 SHARED_REWARD_KWARGS = frozenset({"trainer_state", "log_extra", "log_metric", "environments"})
 
@@ -549,6 +557,11 @@ def own_copy(kwargs: dict[str, Any]) -> dict[str, Any]:
     """A reward function's own copy of its inputs (prompts, completions, the data columns): TRL hands every function
     the same lists, so one that changes them would change what the next one is given."""
     return {key: value if key in SHARED_REWARD_KWARGS else copy.deepcopy(value) for key, value in kwargs.items()}
+
+
+def _num_completions(kwargs: dict[str, Any]) -> int | None:
+    """How many rewards a reward function's call must return, where its arguments show it."""
+    return next((len(kwargs[key]) for key in PER_COMPLETION_KWARGS if key in kwargs), None)
 
 
 def _where(err: BaseException) -> str:
@@ -562,7 +575,8 @@ class RewardCheck:
 
     A failing function is replaced by zeros for the rest of the computation, so that every process reaches the
     gather of the rewards; the first failure is kept and raised afterwards. A checked function keeps the user's
-    function's name and holds it as ``__wrapped__``.
+    function's name and holds it as ``__wrapped__`` (``inspect.signature`` gives the function's), and takes the same
+    arguments.
 
     Example:
         >>> check = RewardCheck()
@@ -582,8 +596,9 @@ class RewardCheck:
         """A new reward computation: every function is called again."""
         self.error = None
 
-    def _result(self, name: str, rewards: Any, raised: BaseException | None, num_completions: int) -> Any:
-        """The rewards if they are fine; else zeros, keeping the first failure."""
+    def _result(self, name: str, rewards: Any, raised: BaseException | None, num_completions: int | None) -> Any:
+        """The rewards if they are fine; else zeros, keeping the first failure. A call that did not show how many
+        completions it scores (not TRL's, which passes ``completions``) has no zeros to give: its failure is raised."""
         failure: RewardFunctionError | None
         if raised is not None:
             failure = RewardFunctionError(
@@ -598,18 +613,20 @@ class RewardCheck:
             failure = None if problem is None else RewardFunctionError(problem)
         if failure is None:
             return rewards
+        if num_completions is None:
+            raise failure
         self.error = self.error or failure
         return [0.0] * num_completions
 
     def wrap_one(self, func: Callable, name: str, is_async: bool) -> Callable:
-        """``func`` checked; after a failure, no further reward function of this computation is called. TRL calls
-        every function with ``completions=``, one per completion."""
+        """``func`` checked, given what it is given (it takes the same arguments); after a failure, no further
+        reward function of this computation is called."""
         if is_async:
 
             @functools.wraps(func)
             async def checked_async(*args, **kwargs):
-                num_completions = len(kwargs["completions"])
-                if self.error is not None:
+                num_completions = _num_completions(kwargs)
+                if self.error is not None and num_completions is not None:
                     return [0.0] * num_completions
                 try:
                     rewards = await func(*args, **own_copy(kwargs))
@@ -621,8 +638,8 @@ class RewardCheck:
 
         @functools.wraps(func)
         def checked(*args, **kwargs):
-            num_completions = len(kwargs["completions"])
-            if self.error is not None:
+            num_completions = _num_completions(kwargs)
+            if self.error is not None and num_completions is not None:
                 return [0.0] * num_completions
             try:
                 rewards = func(*args, **own_copy(kwargs))

@@ -3,6 +3,7 @@ step, reward functions that raise or return non-numbers, infinities or NaN, and 
 `reward_funcs`."""
 
 import asyncio
+import inspect
 import os
 import re
 from types import SimpleNamespace
@@ -146,6 +147,35 @@ def test_async_functions_and_reward_models_and_other_processes():
         fine.raise_if_failed(1)
 
 
+def test_a_checked_function_takes_the_arguments_its_function_takes():
+    """TRL's reward of an environment that owns it takes only `environments=`, and is called so directly: the checked
+    function has its name and signature, counts the rewards by what it is given, and raises what it cannot count."""
+
+    def get_reward(environments, **kwargs):
+        return list(environments)
+
+    async def get_reward_async(environments, **kwargs):  # an environment's async `get_reward`
+        return [1.0 for _ in environments]
+
+    def by_position(completions):
+        return completions
+
+    check = RewardCheck()
+    funcs = [get_reward, get_reward_async, by_position]
+    env_reward, async_env_reward, positional = check.wrap(funcs, ["ScoredEnvironment", "AsyncEnv", "by_position"])
+    for checked, func in zip((env_reward, async_env_reward, positional), funcs, strict=True):
+        assert checked.__name__ == func.__name__ and inspect.signature(checked) == inspect.signature(func)
+    assert env_reward(environments=[1.0, None]) == [1.0, None] and check.error is None
+    assert asyncio.run(async_env_reward(environments=["env"])) == [1.0] and check.error is None
+    assert env_reward(environments=[1.0, 2.0, "3"]) == [0.0, 0.0, 0.0]
+    with pytest.raises(RewardFunctionError, match="'ScoredEnvironment' returned '3' \\(a str\\) for completion 2 of 3"):
+        check.raise_if_failed()
+    check.start()
+    assert positional([1.0, None]) == [1.0, None]
+    with pytest.raises(RewardFunctionError, match="'by_position' returned inf for 1 of 2 completions"):
+        positional([float("inf"), 0.0])  # no zeros to give without the number of completions: raised at once
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Through OPEFOTrainer
 # ----------------------------------------------------------------------------------------------------------------------
@@ -275,6 +305,80 @@ def test_reward_funcs_is_optional_as_in_grpo_trainer(tiny_model_path, tiny_datas
     trainer.train()
     assert trainer.reward_func_names == ["CountingEnvironment"]
     assert any("rewards/CountingEnvironment/mean" in row for row in trainer.state.log_history)
+
+
+class ScoredEnvironment:
+    """Owns its reward (TRL's `get_reward`), with a tool."""
+
+    def reset(self, **kwargs): ...
+
+    def act(self, x: int) -> int:
+        """
+        Act.
+
+        Args:
+            x: A value.
+
+        Returns:
+            The value.
+        """
+        return x
+
+    def get_reward(self) -> float:
+        return 1.0
+
+
+class PlainEnvironment:
+    """No `get_reward`: its rollouts are scored by `reward_funcs` alone."""
+
+    def reset(self, **kwargs): ...
+
+    def play(self, x: int) -> int:
+        """
+        Play.
+
+        Args:
+            x: A value.
+
+        Returns:
+            The value.
+        """
+        return x
+
+
+def format_reward(completions, **kwargs):
+    return [0.0 for _ in completions]
+
+
+@pytest.mark.parametrize("method", ["grpo", pytest.param(None, id="default")])
+def test_an_environment_owned_reward_is_called_as_trl_gives_it(method, tiny_model_path, tiny_dataset, tmp_path):
+    """TRL's test_environment_owned_reward_mixed_environments, then a step: `trainer.reward_funcs[-1]` is TRL's
+    reward of the environments that own it, with its name and signature, and called with `environments=` only."""
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    tokenizer.chat_template = qwen2_5_chat_template  # one TRL parses tool calls of (the environments have tools)
+    names = ["scored", "scored2", "plain"]
+    dataset = tiny_dataset.add_column("environment", [names[i % 3] for i in range(len(tiny_dataset))])
+    method_setting = {} if method is None else {"method": method}
+    trainer = OPEFOTrainer(
+        tiny_model_path,
+        format_reward,
+        args=_config(tmp_path, max_steps=1, save_strategy="no", **method_setting),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        environment_factory={"scored": ScoredEnvironment, "scored2": ScoredEnvironment, "plain": PlainEnvironment},
+    )
+    assert trainer.reward_func_names == ["format_reward", "ScoredEnvironment"]
+    env_reward = trainer.reward_funcs[-1]
+    assert env_reward(environments=[ScoredEnvironment(), PlainEnvironment()]) == [1.0, None]
+    assert (
+        env_reward.__name__ == "get_reward" and next(iter(inspect.signature(env_reward).parameters)) == "environments"
+    )
+    trainer.train()
+    assert trainer.state.global_step == 1
+    assert trainer.state.log_history[0]["rewards/ScoredEnvironment/mean"] == 1.0  # its rollouts only
 
 
 def test_args_none_names_the_output_dir_as_grpo_trainer_does(tiny_model_path, length_reward, monkeypatch):
