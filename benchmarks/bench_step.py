@@ -63,6 +63,8 @@ VLLM_COLOCATE = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utiliz
 CONFIGURATIONS = {
     "grpo_strict": Configuration(GRPOTrainer, {}),
     "opefo": Configuration(OPEFOTrainer, dict(method="opefo")),
+    "opefo_no_bias": Configuration(OPEFOTrainer, dict(method="opefo", entropy_flow_bias_diagnostics=False)),
+    "opefo_centered": Configuration(OPEFOTrainer, dict(method="opefo", entropy_flow_estimate="opefo_centered")),
     "opefo_full": Configuration(OPEFOTrainer, dict(method="opefo", entropy_flow_estimate="full")),
     "opefo_param": Configuration(OPEFOTrainer, dict(method="opefo", entropy_flow_estimate="param")),
     "opefo_param_step": Configuration(
