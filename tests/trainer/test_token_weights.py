@@ -42,7 +42,7 @@ def test_trls_old_log_prob_pass_is_read_and_the_weights_ride_along_its_shuffle_a
     ((rollout,), kwargs) = seen[0]
     assert len(seen) == 1 and kwargs == {"split_into": 2} and len(rollout["completion_ids"]) == 8
     carried = carried_scores(rollout)
-    assert carried is not None and carried.moment2 is None  # (the moments only where the flow needs them)
+    assert carried is not None and carried.moment2 is not None  # (the default estimate's bias diagnostic needs them)
     assert torch.equal(carried.logps, rollout["old_per_token_logps"])
     mask = rollout["completion_mask"].bool()
     scored = trainer.scorer.score(rollout)
@@ -138,3 +138,48 @@ def test_a_factor_that_depends_on_trls_split_is_weighed_after_it(
         trainer.loss_mirror.factor(
             inputs, inputs["completion_mask"].float(), inputs["completion_mask"].float(), inputs["advantages"], rows=4
         )
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("estimate", ["opefo", "opefo_centered"])
+def test_the_logged_bias_part_of_lambda_star_is_that_of_a_float64_model(
+    warm_model_path, tiny_dataset, length_reward, tmp_path, estimate
+):
+    """entropy_flow/lambda and entropy_flow/lambda_bias of the first step against an independent float64 copy of the
+    model (full softmax): lambda_bias = -sum A E_pi[u] / (P + N), E_pi[u] = 2 S_2 - S_3 for `opefo`, 0 exactly for
+    `opefo_centered` (dapo's f_t is the same for every token and cancels), on the warm model's peaked policies. The
+    float32 forward moves log pi, H and the
+    moments by ~1e-5 at most (test_generation_stats), which moves these ratios by ~1e-4; the bound is 1e-3, against
+    |lambda_bias| ~0.1-1 here."""
+    from trainer_setup import float64_reference, logged
+
+    args = make_config(tmp_path, max_steps=1, loss_type="dapo", entropy_flow_estimate=estimate)
+    trainer = make_trainer(warm_model_path, tiny_dataset, length_reward, args)
+    captured = []
+    spy(
+        trainer.rollout, "weigh", lambda weigh, batches, **kw: captured.append(dict(batches[0])) or weigh(batches, **kw)
+    )
+    trainer.train()
+    (batch,) = captured
+    logps, entropies, moment2, moment3 = float64_reference(warm_model_path, batch, temperature=1.0)
+    mask = batch["completion_mask"].double()
+    advantages = batch["advantages"].double()[:, None]
+    mean = 2 * moment2 - moment3
+    unit = -((1 - logps.exp()) ** 2) * (logps + entropies)
+    if estimate == "opefo_centered":
+        unit = unit - mean
+        mean = torch.zeros_like(mean)
+    flow = advantages * unit * mask
+    increase, decrease = flow.clamp(min=0).sum(), -flow.clamp(max=0).sum()
+    lambda_bias = logged(trainer, "entropy_flow/lambda_bias")[0]
+    assert logged(trainer, "entropy_flow/lambda")[0] == pytest.approx(
+        float((decrease - increase) / (increase + decrease)), abs=1e-3
+    )
+    assert lambda_bias == pytest.approx(float(-(advantages * mean * mask).sum() / (increase + decrease)), abs=1e-3)
+    assert logged(trainer, "entropy_flow/lambda_net_of_bias")[0] == pytest.approx(
+        logged(trainer, "entropy_flow/lambda")[0] - lambda_bias, abs=1e-12
+    )
+    if estimate == "opefo":
+        assert abs(lambda_bias) > 1e-2  # the check has something to see
+    else:
+        assert lambda_bias == 0.0
