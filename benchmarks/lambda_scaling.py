@@ -117,9 +117,11 @@ def rollout_pool(settings: ScalingSettings) -> dict:
         for first in range(0, len(out), SCORING_ROWS):  # the backbone's hidden states, then the head in tiles
             part = slice(first, first + SCORING_ROWS)
             positions = (attention[part].cumsum(1) - 1).clamp(min=0)
-            hidden = core_model(model).model(
-                input_ids=out[part], attention_mask=attention[part], position_ids=positions
-            ).last_hidden_state
+            hidden = (
+                core_model(model)
+                .model(input_ids=out[part], attention_mask=attention[part], position_ids=positions)
+                .last_hidden_state
+            )
             states = hidden[:, prompt_length - 1 : -1]  # position i predicts token i + 1
             stats = vocab_stats(states, head.weight, head.bias, temperature=settings.temperature)
             logits = head(states).float() / settings.temperature

@@ -23,8 +23,8 @@ MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "token_type_i
 @dataclass
 class Scores:
     """One scoring forward's per-token statistics of the completion tokens, (B, T) each: log pi_t and H_t, where the
-    estimate or its bias diagnostic needs them the surprise-gap moments S_2 and S_3 (``VocabStats.moments``), and with ``entropy_flow_entropy='task_tokens'`` the
-    entropy of the policy renormalised over the task's tokens."""
+    estimate or its bias diagnostic needs them the surprise-gap moments S_2 and S_3 (``VocabStats.moments``), and
+    with ``entropy_flow_entropy='task_tokens'`` the entropy of the policy renormalised over the task's tokens."""
 
     logps: torch.Tensor
     entropies: torch.Tensor

@@ -62,9 +62,9 @@ class EntropyFlowSettings:
         "Per-token first-order entropy-change estimate used by OPEFO and the diagnostics: 'opefo' "
         "(-A (1-pi)^2 (log pi + H), our reconstruction of the paper's; its on-policy mean is not zero), "
         "'opefo_centered' (the same less its on-policy mean 2 S_2 - S_3 at each position; a vocabulary pass), "
-        "'onaction', 'sign', 'full' (exact first order of a tabular softmax; a vocabulary pass), or 'param' (exact first order through the network's trainable "
-        "parameters by forward-mode AD: per micro-batch a gradient forward with two backwards and a forward-mode "
-        "pass, in the parameters' precision).",
+        "'onaction', 'sign', 'full' (exact first order of a tabular softmax; a vocabulary pass), or 'param' (exact "
+        "first order through the network's trainable parameters by forward-mode AD: per micro-batch a gradient "
+        "forward with two backwards and a forward-mode pass, in the parameters' precision).",
     )
     entropy_flow_preconditioner: str = setting(
         "adam",

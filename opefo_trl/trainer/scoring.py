@@ -183,7 +183,9 @@ class Scorer:
             handle.remove()
 
     @torch.no_grad()
-    def moments(self, hidden: list[torch.Tensor], logits_to_keep: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def moments(
+        self, hidden: list[torch.Tensor], logits_to_keep: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The surprise-gap moments S_2, S_3 at the completion positions, (B, T), from captured hidden states (None,
         None without), in the precision of TRL's fused head (its autocast dtype, or fp32 with ``head_in_float32``)."""
         if not hidden:

@@ -347,7 +347,9 @@ class RolloutWeigher:
         assert scores is not None  # carried, from the `param` estimate or from the scoring pass above
         if item.factor is None:
             item.factor = self.loss.factor(item.batch, scores.logps, scores.entropies, item.advantages, rows)
-        item.unit_flow = flow_per_unit_advantage(scores.logps, scores.entropies, self.estimate, *scores.moments, alignment)
+        item.unit_flow = flow_per_unit_advantage(
+            scores.logps, scores.entropies, self.estimate, *scores.moments, alignment
+        )
         if self.bias:
             item.unit_bias = unit_bias(self.estimate, scores)
         return TokenBatch(

@@ -170,10 +170,10 @@ def test_regime_guard_judges_lambda_star_net_of_the_estimates_bias_and_says_so()
         optimizer_step(explained, biased_batch(0.5, bias_part=0.45))  # 0.05 left: in the regime
         assert explained.regime_warning() is None
     imbalanced = OPEFO(opefo_lambda_warn=0.1)
-    for step in range(1, RegimeWatch.EARLY_STEPS + 1):
+    for _ in range(RegimeWatch.EARLY_STEPS):
         optimizer_step(imbalanced, biased_batch(0.5, bias_part=0.1))  # 0.4 left
         message = imbalanced.regime_warning()
-    assert step == RegimeWatch.EARLY_STEPS and message is not None
+    assert message is not None  # at the third step, the earliest verdict
     assert "net of the estimate's on-policy bias (entropy_flow/lambda_net_of_bias" in message
     assert "lambda_bias, averaged 0.1 in absolute value" in message and ") is 0.4 " in message
     unknown = OPEFO(opefo_lambda_warn=0.1)

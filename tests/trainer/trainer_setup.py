@@ -46,8 +46,8 @@ def spy(owner, name, record):
 def float64_reference(model_path, batch, temperature, direction=None, step=0.0):
     """An independent float64 scoring of a TRL micro-batch's completions: a plain float64 copy of the model loaded
     from ``model_path`` (no TRL head, hook or patch), logits / ``temperature``, a full float64 softmax. Returns log
-    pi_t, H_t and the surprise-gap moments S_2, S_3 = sum_k pi_k^2 (log pi_k + H_t), sum_k pi_k^3 (...), (B, T) each; with ``direction`` ({parameter name: tensor}),
-    those of the parameters moved by ``step * direction``."""
+    pi_t, H_t and the surprise-gap moments S_2, S_3 = sum_k pi_k^2 (log pi_k + H_t), sum_k pi_k^3 (...), (B, T)
+    each; with ``direction`` ({parameter name: tensor}), those of the parameters moved by ``step * direction``."""
     import torch
     from transformers import AutoModelForCausalLM
 
