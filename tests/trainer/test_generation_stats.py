@@ -95,7 +95,8 @@ def test_generation_statistics_at_a_temperature_are_the_float64_softmax_of_the_s
     """At the training temperature T != 1 (sampling and scoring both divide the logits by T), log pi_t, H_t and the
     surprise-gap moments read from generation against an independent float64 scoring (a plain float64 copy of the
     model, full softmax of logits / T). The float32 forward rounds the logits by ~1e-6 relative (|z| <~ 10 on the
-    tiny model), which moves log pi and H by ~1e-5 at most; the bound is 1e-4. Logits not divided by T are off by ~0.1-1."""
+    tiny model), which moves log pi and H by ~1e-5 at most; the bound is 1e-4. Logits not divided by T are off by
+    ~0.1-1."""
     args = make_config(tmp_path, temperature=temperature, entropy_flow_estimate=estimate, **ACCUMULATION)
     trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
     assert trainer.rollout.generation is not None
