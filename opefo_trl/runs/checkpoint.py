@@ -38,6 +38,7 @@ from opefo_trl.runs.files import (
     SET_ASIDE_DIR,
     TORCH_SAVE_RE,
     TRAINER_STATE_NAME,
+    TRAINING_ARGS_NAME,
     WEIGHTS_RE,
     CheckpointError,
     CheckpointSaveError,
@@ -224,6 +225,31 @@ def _first_problem(checkpoint: str) -> tuple[str, str] | None:
     return None
 
 
+def saved_model_problem(folder: str) -> tuple[str, str] | None:
+    """``(file, reason)`` of the first reason ``folder`` is not a whole model as ``Trainer.save_model`` writes it,
+    else None: the file it writes last (``training_args.bin``) missing, a file that cannot be read whole (safetensors
+    headers against the file's size, JSON, ``torch.save`` archives), no weights, or a shard its index lists missing.
+    Nothing is loaded."""
+    names = sorted(os.listdir(folder))
+    if TRAINING_ARGS_NAME not in names:
+        return os.path.join(folder, TRAINING_ARGS_NAME), "is missing (save_model writes it last: the save did not finish)"
+    for root, _, files in sorted(os.walk(folder)):
+        for name in sorted(files):
+            reason = None if name.startswith(".") else _file_problem(os.path.join(root, name), METHOD_STATE_NAME, None)
+            if reason is not None:
+                return os.path.join(root, name), reason
+    if not any(WEIGHTS_RE.match(n) for n in names):
+        return folder, "holds no model weights (model.safetensors, adapter_model.safetensors, ...)"
+    for index in (n for n in names if WEIGHTS_RE.match(n) and n.endswith(".index.json")):
+        with open(os.path.join(folder, index)) as f:
+            content = json.load(f)
+        shards = content.get("weight_map", {}) if isinstance(content, dict) else {}
+        missing = sorted(set(shards.values()) - set(names)) if isinstance(shards, dict) else [index]
+        if missing:
+            return os.path.join(folder, missing[0]), f"is missing ({index} lists it)"
+    return None
+
+
 def previous_whole_checkpoint(checkpoint: str) -> str | None:
     """The latest checkpoint before ``checkpoint`` in the same folder that :func:`check_checkpoint` accepts."""
     match = CHECKPOINT_RE.match(os.path.basename(os.path.normpath(checkpoint)))
@@ -326,6 +352,12 @@ def resume_checkpoint(
     if resume is True:
         last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
         if last is None:
+            earlier = run_files(output_dir)
+            if earlier:
+                raise CheckpointError(
+                    f"resume_from_checkpoint=true but output_dir {output_dir!r} has no checkpoint-<step> folder: "
+                    f"{_start_afresh(output_dir, earlier)}"
+                )
             raise CheckpointError(
                 f"resume_from_checkpoint=true but output_dir {output_dir!r} has no checkpoint-<step> folder. Give the "
                 "checkpoint's path, or drop resume_from_checkpoint to start afresh."
@@ -354,6 +386,41 @@ def resume_checkpoint(
         )
     check_checkpoint(resume, method)
     return resume
+
+
+def _start_afresh(output_dir: str, earlier: list[str]) -> str:
+    """What a run folder holding ``earlier`` files and no whole checkpoint takes: the one command that trains in it."""
+    final_model = any(WEIGHTS_RE.match(n) for n in earlier)
+    further = (
+        f"; to train its final model further, start from it in another folder (--model_name_or_path {output_dir} "
+        "--output_dir <another folder>)"
+        if final_model
+        else ""
+    )
+    return (
+        f"its earlier run ({shown_files(earlier)}) saved no whole checkpoint to resume from. Start afresh in it with "
+        "--overwrite_output_dir true and without --resume_from_checkpoint (the overwrite deletes those files"
+        f"{', its final model included,' if final_model else ''} once the new run has saved something), or give "
+        f"another --output_dir{further}."
+    )
+
+
+def earlier_run_message(output_dir: str, earlier: list[str]) -> str:
+    """Why a fresh run is refused a folder holding the ``earlier`` run's files, and the commands that work."""
+    try:
+        resumable = resume_checkpoint(True, output_dir, warn=False) is not None
+    except CheckpointError:
+        resumable = False
+    if not resumable:
+        return (
+            f"output_dir {output_dir!r} holds an earlier run, and training into it would mix the two runs: "
+            f"{_start_afresh(output_dir, earlier)}"
+        )
+    return (
+        f"output_dir {output_dir!r} holds an earlier run ({shown_files(earlier)}); training into it would mix the two "
+        "runs. Resume it with --resume_from_checkpoint true, start afresh in it with --overwrite_output_dir true "
+        "(deletes those files once the new run has saved its first checkpoint), or give another --output_dir."
+    )
 
 
 def check_steps_left(checkpoint: str, planned_steps: int) -> None:

@@ -30,8 +30,15 @@ SET_ASIDE_DIR = ".opefo_overwritten"
 #: Where `opefo-train` saves the final model before moving its files into output_dir (named in the manifest first).
 FINAL_MODEL_STAGING = ".opefo_final_model"
 #: Written into the staging folder once ``save_model`` has returned on every process: the staged model is whole, and is
-#: moved into place (never deleted) by whatever finds it there, the next run after a kill included.
+#: moved into place (never deleted) by whatever finds it there, the next run after a kill included. A staged model
+#: without it is moved into place too when its files show it whole, else kept in ``UNFINISHED_FINAL_MODEL``.
 FINAL_MODEL_SAVED = ".opefo_final_model_saved"
+#: Where a staged final model that was not marked whole, and whose files do not show it whole (a kill inside
+#: ``save_model``), is kept, never deleted, for the user to take or discard.
+UNFINISHED_FINAL_MODEL = "final_model.unfinished"
+#: What ``Trainer.save_model`` writes last (``transformers.trainer.TRAINING_ARGS_NAME``): a saved model holding it whole
+#: was saved to the end.
+TRAINING_ARGS_NAME = "training_args.bin"
 CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 METRICS_RE = re.compile(r"^metrics(\.rank\d+)?\.jsonl$")
 #: Weight files `Trainer.save_model` writes (full model, shards and their index, a PEFT adapter).

@@ -1721,6 +1721,78 @@ def test_a_final_model_whose_move_was_killed_is_moved_into_place_by_the_next_com
         assert f"opefo-train: error: output_dir '{out}' holds an earlier run (" in err and "model.safetensors" in err
 
 
+KILLED_BEFORE_THE_MARK = """
+import os, signal, sys
+
+import transformers
+
+from opefo_trl.runs import FINAL_MODEL_STAGING, RunFolder
+
+
+def kill():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if os.environ["OPEFO_KILL_AT"] == "mark":  # save_model has returned on every process; the staged model is unmarked
+    RunFolder.publish_final_model = lambda self, staging: kill()
+else:  # inside save_model: config and weights written, the tokenizer and training_args.bin not yet
+    original = transformers.PreTrainedModel.save_pretrained
+
+    def killed_after_the_weights(self, save_directory, *args, **kwargs):
+        original(self, save_directory, *args, **kwargs)
+        if os.path.basename(os.path.normpath(save_directory)) == FINAL_MODEL_STAGING:
+            kill()
+
+    transformers.PreTrainedModel.save_pretrained = killed_after_the_weights
+from opefo_trl.cli.train import main
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("kill_at, resume", [("mark", False), ("mark", True), ("weights", False), ("weights", True)])
+def test_a_final_model_killed_before_it_was_marked_whole_is_never_deleted(
+    kill_at, resume, tiny_model_path, problems_file, tmp_path, reward_module, caplog, capsys
+):
+    """The next command (a resume or a rerun) deleted a run's final model staged without checkpoints, when a kill -9
+    came after save_model returned and before the model was marked whole, or inside save_model after its weights: the
+    only copy of the training. Now a whole one (save_model's files all there and readable) is moved into place, and
+    one that is not is kept under its own name, the command saying where and how to take or discard it."""
+    from opefo_trl.runs import FINAL_MODEL_STAGING, UNFINISHED_FINAL_MODEL, run_files
+
+    out = tmp_path / "out"
+    reward = ["--reward_funcs", "opefo_cli_test_rewards.digit_overlap_reward"]
+    argv = [
+        "--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(out), max_steps=2), *reward,
+        "--save_strategy", "no",
+    ]  # fmt: skip
+    killed = _start(tmp_path / "..", argv, KILLED_BEFORE_THE_MARK, PYTHONPATH=str(tmp_path), OPEFO_KILL_AT=kill_at)
+    output = killed.communicate(timeout=600)[0].decode()
+    assert killed.returncode == -9, output[-3000:]
+    staging = out / FINAL_MODEL_STAGING
+    staged = {n: (staging / n).read_bytes() for n in os.listdir(staging)}
+    assert "model.safetensors" in staged and ("training_args.bin" in staged) == (kill_at == "mark")
+    again = [*argv, *(["--resume_from_checkpoint", "true"] if resume else [])]
+
+    with caplog.at_level("WARNING"):
+        assert main(again) == 2
+    err = capsys.readouterr().err
+    assert not staging.exists() and "Traceback" not in err
+    if kill_at == "mark":  # whole: in place, byte for byte, as an uninterrupted run leaves it
+        assert {n: (out / n).read_bytes() for n in staged} == staged and set(staged) <= set(run_files(str(out)))
+        assert f"its whole final model ({', '.join(sorted(staged))}) is now in {out}" in caplog.text
+        assert "--resume_from_checkpoint true" not in err and "--overwrite_output_dir true" in err
+        return
+    kept = out / UNFINISHED_FINAL_MODEL
+    assert {n: (kept / n).read_bytes() for n in os.listdir(kept)} == staged
+    assert f"opefo-train: error: output_dir '{out}' holds the final model of a run killed while saving it, kept in " \
+        f"{kept}" in err
+    assert f"rm -r {kept}" in err and "training_args.bin is missing" in err
+    assert main(again) == 2  # said again, deleted never
+    assert {n: (kept / n).read_bytes() for n in os.listdir(kept)} == staged
+    assert f"kept in {kept}" in capsys.readouterr().err
+
+
 def test_a_checkpoint_without_its_options_file_is_compared_through_its_training_args(
     tiny_model_path, problems_file, tmp_path, reward_module, capsys, snapshot
 ):
