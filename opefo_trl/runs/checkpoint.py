@@ -30,6 +30,7 @@ from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, sort_checkpoints
 
+from opefo_trl.data.model_files import safetensors_problem
 from opefo_trl.runs.files import (
     CHECKPOINT_MARKER,
     CHECKPOINT_RE,
@@ -133,18 +134,6 @@ def shown_files(names: list[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _safetensors_problem(path: str) -> str | None:
-    """Why safetensors cannot read the file whole (it checks the header and that the data covers the file)."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(path, framework="numpy") as f:  # the header only: no tensor is read
-            f.keys()
-    except SafetensorError as err:
-        return f"cannot be read by safetensors (cut short or damaged: {err})"
-    return None
-
-
 def _file_problem(path: str, method_state_name: str, saved_size: int | None) -> str | None:
     """Why a checkpoint file cannot be loaded, read without loading any tensor; None if it looks whole."""
     name = os.path.basename(path)
@@ -162,7 +151,7 @@ def _file_problem(path: str, method_state_name: str, saved_size: int | None) -> 
             return f"is cut short: it has {size} bytes where its save wrote {saved_size}"
         return f"has changed since it was saved: it has {size} bytes where its save wrote {saved_size}"
     if name.endswith(".safetensors"):
-        return _safetensors_problem(path)
+        return safetensors_problem(path)
     if name.endswith(".json"):
         try:
             with open(path) as f:

@@ -89,6 +89,24 @@ def test_cli_names_a_model_folder_without_weights(tiny_model_path, bench_file, t
     assert err.startswith(f"opefo-eval: error: {model} holds no weights (no *.safetensors") and "Traceback" not in err
 
 
+@pytest.mark.parametrize("cut_to", [100, 4000, "half"])
+def test_cut_off_weights_are_one_line_naming_the_file_and_the_fix(cut_to, tiny_model_path, bench_file, tmp_path, capsys):
+    """A model.safetensors cut short (what an interrupted copy leaves) gave safetensors' own SafetensorError."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model)
+    weights = model / "model.safetensors"
+    size = weights.stat().st_size // 2 if cut_to == "half" else cut_to
+    os.truncate(weights, size)
+    argv = ["--model_name_or_path", str(model), "--benchmarks", bench_file, "--output_dir", str(tmp_path / "eval")]
+    assert main([*argv, "--backend", "transformers", "--no_progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"opefo-eval: error: {weights} ({size} bytes) cannot be read by safetensors (cut short or ")
+    assert "Copy that file again from where it came from" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "eval").exists()
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

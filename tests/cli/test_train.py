@@ -1721,6 +1721,23 @@ def test_a_final_model_whose_move_was_killed_is_moved_into_place_by_the_next_com
         assert f"opefo-train: error: output_dir '{out}' holds an earlier run (" in err and "model.safetensors" in err
 
 
+@pytest.mark.parametrize("cut_to", [100, 4000, "half"])
+def test_cut_off_weights_are_one_line_naming_the_file_and_the_fix(
+    cut_to, tiny_model_path, problems_file, tmp_path, no_model_loading, capsys
+):
+    """A model.safetensors cut short (what an interrupted copy leaves) gave safetensors' own SafetensorError."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model)
+    weights = model / "model.safetensors"
+    size = weights.stat().st_size // 2 if cut_to == "half" else cut_to
+    os.truncate(weights, size)
+    out = tmp_path / "out"
+    assert main(["--config", RECIPE, *_cpu_overrides(str(model), problems_file, str(out))]) == 2
+    err = capsys.readouterr().err
+    assert f"opefo-train: error: {weights} ({size} bytes) cannot be read by safetensors (cut short or " in err
+    assert "Copy that file again from where it came from" in err and "Traceback" not in err and not out.exists()
+
+
 KILLED_BEFORE_THE_MARK = """
 import os, signal, sys
 
