@@ -1721,6 +1721,33 @@ def test_a_final_model_whose_move_was_killed_is_moved_into_place_by_the_next_com
         assert f"opefo-train: error: output_dir '{out}' holds an earlier run (" in err and "model.safetensors" in err
 
 
+def test_a_hub_data_set_missing_from_the_offline_cache_is_one_line(tiny_model_path, tmp_path, no_model_loading, capsys):
+    """With HF_HUB_OFFLINE=1, a data set not in the cache gave datasets' ConnectionError (OfflineModeIsEnabled)."""
+    assert os.environ["HF_HUB_OFFLINE"] == "1"  # as the tests run
+    out = tmp_path / "out"
+    argv = [*_cpu_overrides(tiny_model_path, "", str(out)), "--dataset_name", "opefo-trl-tests/never-cached"]
+    argv.remove("--dataset_files"), argv.remove("")
+    extra = ["--problem_column", "question", "--answer_column", "final_answer"]
+    assert main(["--config", RECIPE, *argv, *extra]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "opefo-train: error: Data set 'opefo-trl-tests/never-cached' is not in the local datasets cache, and the hub "
+        "cannot be reached (HF_HUB_OFFLINE is set: "
+    ) in err
+    assert "Download it once with network access and HF_HUB_OFFLINE unset" in err and "Traceback" not in err
+
+
+def test_a_hub_configuration_given_with_local_files_is_refused(tiny_model_path, problems_file, tmp_path, capsys):
+    """dataset_config with dataset_files: the files were read, the configuration ignored without a word."""
+    out = tmp_path / "out"
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(out)), "--dataset_config", "main"]
+    with pytest.raises(ValueError, match="dataset_config 'main' names a configuration of a hub data set, but dataset_"):
+        parse_args(argv)  # before anything loads
+    assert main(argv) == 2
+    assert "opefo-train: error: dataset_config 'main' names a configuration" in capsys.readouterr().err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("cut_to", [100, 4000, "half"])
 def test_cut_off_weights_are_one_line_naming_the_file_and_the_fix(
     cut_to, tiny_model_path, problems_file, tmp_path, no_model_loading, capsys
