@@ -344,8 +344,8 @@ def resume_checkpoint(
             earlier = run_files(output_dir)
             if earlier:
                 raise CheckpointError(
-                    f"resume_from_checkpoint=true but output_dir {output_dir!r} has no checkpoint-<step> folder: "
-                    f"{_start_afresh(output_dir, earlier)}"
+                    f"resume_from_checkpoint=true but output_dir {output_dir!r} has no checkpoint-<step> folder: its "
+                    f"earlier run ({shown_files(earlier)}) saved none. {_start_afresh(output_dir, earlier, True)}"
                 )
             raise CheckpointError(
                 f"resume_from_checkpoint=true but output_dir {output_dir!r} has no checkpoint-<step> folder. Give the "
@@ -377,8 +377,9 @@ def resume_checkpoint(
     return resume
 
 
-def _start_afresh(output_dir: str, earlier: list[str]) -> str:
-    """What a run folder holding ``earlier`` files and no whole checkpoint takes: the one command that trains in it."""
+def _start_afresh(output_dir: str, earlier: list[str], resuming: bool) -> str:
+    """The one command that trains in a folder holding an earlier run's files (``earlier``) and no whole
+    checkpoint."""
     final_model = any(WEIGHTS_RE.match(n) for n in earlier)
     further = (
         f"; to train its final model further, start from it in another folder (--model_name_or_path {output_dir} "
@@ -387,10 +388,9 @@ def _start_afresh(output_dir: str, earlier: list[str]) -> str:
         else ""
     )
     return (
-        f"its earlier run ({shown_files(earlier)}) saved no whole checkpoint to resume from. Start afresh in it with "
-        "--overwrite_output_dir true and without --resume_from_checkpoint (the overwrite deletes those files"
-        f"{', its final model included,' if final_model else ''} once the new run has saved something), or give "
-        f"another --output_dir{further}."
+        f"Start afresh in it with --overwrite_output_dir true{' and without --resume_from_checkpoint' * resuming} (the "
+        f"overwrite deletes {shown_files(earlier)}{', its final model included,' * final_model} once the new run has "
+        f"saved something), or give another --output_dir{further}."
     )
 
 
@@ -402,8 +402,8 @@ def earlier_run_message(output_dir: str, earlier: list[str]) -> str:
         resumable = False
     if not resumable:
         return (
-            f"output_dir {output_dir!r} holds an earlier run, and training into it would mix the two runs: "
-            f"{_start_afresh(output_dir, earlier)}"
+            f"output_dir {output_dir!r} holds an earlier run ({shown_files(earlier)}) that saved no whole checkpoint "
+            f"to resume; training into it would mix the two runs. {_start_afresh(output_dir, earlier, False)}"
         )
     return (
         f"output_dir {output_dir!r} holds an earlier run ({shown_files(earlier)}); training into it would mix the two "

@@ -1765,6 +1765,36 @@ def test_cut_off_weights_are_one_line_naming_the_file_and_the_fix(
     assert "Copy that file again from where it came from" in err and "Traceback" not in err and not out.exists()
 
 
+def test_a_run_folder_without_a_checkpoint_names_the_one_command_that_works(
+    tiny_model_path, problems_file, tmp_path, reward_module, capsys, snapshot
+):
+    """A folder holding a run's metrics and no checkpoint: the resume was told to "drop resume_from_checkpoint to
+    start afresh", and the plain rerun to "Resume it with --resume_from_checkpoint true"; each is refused. Only the
+    overwrite works, and both now name it."""
+    out = tmp_path / "out"
+    record_in_manifest(str(out), ["metrics.jsonl"])
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
+    reward = ["--reward_funcs", "opefo_cli_test_rewards.digit_overlap_reward"]
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(out)), *reward]
+    before = snapshot(out)
+    assert main([*argv, "--resume_from_checkpoint", "true"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"opefo-train: error: resume_from_checkpoint=true but output_dir '{out}' has no checkpoint-<step> folder: its "
+        "earlier run (metrics.jsonl) saved none. Start afresh in it with --overwrite_output_dir true and without "
+        "--resume_from_checkpoint (the overwrite deletes metrics.jsonl once the new run has saved something)"
+    ) in err
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"opefo-train: error: output_dir '{out}' holds an earlier run (metrics.jsonl) that saved no whole checkpoint to"
+        " resume; training into it would mix the two runs. Start afresh in it with --overwrite_output_dir true (the "
+    ) in err
+    assert "Resume it" not in err and snapshot(out) == before
+    assert main([*argv, "--overwrite_output_dir", "true"]) == 0  # the command they name
+    assert '"loss": 0.5' not in (out / "metrics.jsonl").read_text() and (out / "model.safetensors").exists()
+
+
 KILLED_BEFORE_THE_MARK = """
 import os, signal, sys
 
