@@ -284,7 +284,7 @@ def check_has_tokenizer(directory: str | os.PathLike) -> None:
     if not any(os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_FILES):
         raise FileNotFoundError(
             f"Model directory {os.fspath(directory)} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): "
-            "it is not a whole saved model (a run stopped while moving its final model leaves one like this). Give "
+            "it is not a whole saved model (a run killed while saving its final model leaves one like this). Give "
             "a folder with its tokenizer, e.g. the run's last checkpoint-<step> folder, or copy the base model's "
             "tokenizer files into it."
         )
