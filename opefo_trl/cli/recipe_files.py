@@ -56,7 +56,7 @@ def _read_mapping(path: str) -> dict:
             values = yaml.load(f, Loader=_unique_key_loader())  # a SafeLoader
     except UnicodeDecodeError as err:
         raise ValueError(
-            f"Recipe file {path!r} is not UTF-8 text (byte {err.object[err.start:err.end].hex(' ')} at offset "
+            f"Recipe file {path!r} is not UTF-8 text (byte {err.object[err.start : err.end].hex(' ')} at offset "
             f"{err.start}): save it as UTF-8."
         ) from None
     except yaml.YAMLError as err:

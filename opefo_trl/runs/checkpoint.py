@@ -221,7 +221,7 @@ def saved_model_problem(folder: str) -> tuple[str, str] | None:
     Nothing is loaded."""
     names = sorted(os.listdir(folder))
     if TRAINING_ARGS_NAME not in names:
-        return os.path.join(folder, TRAINING_ARGS_NAME), "is missing (save_model writes it last: the save did not finish)"
+        return os.path.join(folder, TRAINING_ARGS_NAME), "is missing (save_model writes it last: it did not finish)"
     for root, _, files in sorted(os.walk(folder)):
         for name in sorted(files):
             reason = None if name.startswith(".") else _file_problem(os.path.join(root, name), METHOD_STATE_NAME, None)

@@ -49,8 +49,8 @@ from opefo_trl.runs.folder import (
     lock_holder,
     recover_interrupted_run,
     run_files,
-    unfinished_final_models,
     unfinished_final_model_message,
+    unfinished_final_models,
 )
 from opefo_trl.runs.metrics import metrics_files, read_metrics_lines
 from opefo_trl.runs.options import check_resume_options
@@ -129,12 +129,12 @@ class OutputDirPolicy:
 
         Refused: a folder another run holds (its lock), the model's own folder, a folder holding the final model of a
         run killed while saving it (:func:`~opefo_trl.runs.unfinished_final_models`, kept until the user takes or
-        discards it), a folder holding files no run of ours wrote (:func:`~opefo_trl.runs.foreign_entries`), an earlier run (:func:`~opefo_trl.runs.run_files`) unless
-        this run resumes a checkpoint in it or overwrites it, an overwrite that would delete the model or checkpoint
-        this run starts from, and a metrics file the resumed run would append to whose lines before the last are not
-        whole. What a killed run left half done is finished or undone first, holding the lock. On the processes that
-        do not write the folder, only the checkpoint is checked. ``locked``: the caller holds the folder's lock
-        (:meth:`held`, checking again).
+        discards it), a folder holding files no run of ours wrote (:func:`~opefo_trl.runs.foreign_entries`), an
+        earlier run (:func:`~opefo_trl.runs.run_files`) unless this run resumes a checkpoint in it or overwrites it,
+        an overwrite that would delete the model or checkpoint this run starts from, and a metrics file the resumed
+        run would append to whose lines before the last are not whole. What a killed run left half done is finished or
+        undone first, holding the lock. On the processes that do not write the folder, only the checkpoint is
+        checked. ``locked``: the caller holds the folder's lock (:meth:`held`, checking again).
         """
         output_dir, resume = self.args.output_dir, self.args.resume_from_checkpoint
         if os.path.islink(output_dir) and not os.path.exists(output_dir):

@@ -118,7 +118,9 @@ def test_a_run_folder_whose_final_model_is_not_in_place_says_where_it_is(
 
 
 @pytest.mark.parametrize("cut_to", [100, 4000, "half"])
-def test_cut_off_weights_are_one_line_naming_the_file_and_the_fix(cut_to, tiny_model_path, bench_file, tmp_path, capsys):
+def test_cut_off_weights_are_one_line_naming_the_file_and_the_fix(
+    cut_to, tiny_model_path, bench_file, tmp_path, capsys
+):
     """A model.safetensors cut short (what an interrupted copy leaves) gave safetensors' own SafetensorError."""
     import shutil
 

@@ -1859,8 +1859,10 @@ def test_a_final_model_killed_before_it_was_marked_whole_is_never_deleted(
         return
     kept = out / UNFINISHED_FINAL_MODEL
     assert {n: (kept / n).read_bytes() for n in os.listdir(kept)} == staged
-    assert f"opefo-train: error: output_dir '{out}' holds the final model of a run killed while saving it, kept in " \
+    assert (
+        f"opefo-train: error: output_dir '{out}' holds the final model of a run killed while saving it, kept in "
         f"{kept}" in err
+    )
     assert f"rm -r {kept}" in err and "training_args.bin is missing" in err
     assert main(again) == 2  # said again, deleted never
     assert {n: (kept / n).read_bytes() for n in os.listdir(kept)} == staged
