@@ -22,7 +22,6 @@ import logging
 import math
 import os
 import shutil
-import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,21 +29,19 @@ from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, sort_checkpoints
 
-from opefo_trl.data.model_files import safetensors_problem
 from opefo_trl.runs.files import (
     CHECKPOINT_MARKER,
     CHECKPOINT_RE,
     LOW_SPACE,
     METHOD_STATE_NAME,
     SET_ASIDE_DIR,
-    TORCH_SAVE_RE,
     TRAINER_STATE_NAME,
-    TRAINING_ARGS_NAME,
     WEIGHTS_RE,
     CheckpointError,
     CheckpointSaveError,
     RunFolderError,
     checkpoint_step,
+    file_problem,
     free_bytes,
     remove_entry,
     write_json_atomically,
@@ -134,58 +131,6 @@ def shown_files(names: list[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _file_problem(path: str, method_state_name: str, saved_size: int | None) -> str | None:
-    """Why a checkpoint file cannot be loaded, read without loading any tensor; None if it looks whole."""
-    name = os.path.basename(path)
-    try:
-        with open(path, "rb") as f:
-            f.read(1)
-    except OSError as err:  # unreadable (permissions, an I/O error): loading it would fail after the model loaded
-        return f"cannot be read ({type(err).__name__}: {err.strerror or err})"
-    size = os.path.getsize(path)
-    known = name.endswith((".safetensors", ".json")) or TORCH_SAVE_RE.search(name)
-    if known and size == 0 and saved_size != 0:
-        return "is empty"
-    if saved_size is not None and size != saved_size:
-        if size < saved_size:
-            return f"is cut short: it has {size} bytes where its save wrote {saved_size}"
-        return f"has changed since it was saved: it has {size} bytes where its save wrote {saved_size}"
-    if name.endswith(".safetensors"):
-        return safetensors_problem(path)
-    if name.endswith(".json"):
-        try:
-            with open(path) as f:
-                content = json.load(f)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            return f"is not valid JSON ({err})"
-        if name == TRAINER_STATE_NAME:
-            return _trainer_state_problem(path, content)
-        if name == method_state_name and not (isinstance(content, dict) and {"method", "state"} <= content.keys()):
-            return "lacks the method or its state"
-        return None
-    if TORCH_SAVE_RE.search(name):
-        try:
-            with zipfile.ZipFile(path):  # reads the central directory at the end: gone when the file is cut short
-                pass
-        except zipfile.BadZipFile:
-            return "is not a whole torch.save archive (cut short?)"
-    return None
-
-
-def _trainer_state_problem(path: str, content: Any) -> str | None:
-    """Why transformers cannot resume from this ``trainer_state.json`` (read as a resume reads it, with
-    ``TrainerState.load_from_json``), or None."""
-    from transformers import TrainerState
-
-    try:
-        TrainerState.load_from_json(path)
-    except TypeError as err:  # not a mapping, or a key this release's TrainerState does not take
-        return f"cannot be read by transformers' TrainerState.load_from_json ({err})"
-    if "global_step" not in content:  # TrainerState would take the step for 0, and train the run again from there
-        return "has no global_step"
-    return None
-
-
 def _first_problem(checkpoint: str) -> tuple[str, str] | None:
     """``(file, reason)`` of the first reason ``checkpoint`` cannot be resumed from, else None: a damaged file, then
     a missing completion marker, then a file the marker lists that is gone, the trainer state, the weights."""
@@ -196,7 +141,7 @@ def _first_problem(checkpoint: str) -> tuple[str, str] | None:
             relative = os.path.relpath(path, checkpoint)
             if relative == CHECKPOINT_MARKER or name.startswith("."):
                 continue
-            reason = _file_problem(path, METHOD_STATE_NAME, sizes.get(relative))
+            reason = file_problem(path, sizes.get(relative))
             if reason is not None:
                 return path, reason
     if marker_problem is not None:
@@ -211,31 +156,6 @@ def _first_problem(checkpoint: str) -> tuple[str, str] | None:
         os.path.isdir(os.path.join(checkpoint, n)) for n in names
     ):  # a sub-folder: DeepSpeed's global_step<N> or an FSDP shard folder
         return checkpoint, "holds no model weights (model.safetensors, adapter_model.safetensors, ...)"
-    return None
-
-
-def saved_model_problem(folder: str) -> tuple[str, str] | None:
-    """``(file, reason)`` of the first reason ``folder`` is not a whole model as ``Trainer.save_model`` writes it,
-    else None: the file it writes last (``training_args.bin``) missing, a file that cannot be read whole (safetensors
-    headers against the file's size, JSON, ``torch.save`` archives), no weights, or a shard its index lists missing.
-    Nothing is loaded."""
-    names = sorted(os.listdir(folder))
-    if TRAINING_ARGS_NAME not in names:
-        return os.path.join(folder, TRAINING_ARGS_NAME), "is missing (save_model writes it last: it did not finish)"
-    for root, _, files in sorted(os.walk(folder)):
-        for name in sorted(files):
-            reason = None if name.startswith(".") else _file_problem(os.path.join(root, name), METHOD_STATE_NAME, None)
-            if reason is not None:
-                return os.path.join(root, name), reason
-    if not any(WEIGHTS_RE.match(n) for n in names):
-        return folder, "holds no model weights (model.safetensors, adapter_model.safetensors, ...)"
-    for index in (n for n in names if WEIGHTS_RE.match(n) and n.endswith(".index.json")):
-        with open(os.path.join(folder, index)) as f:
-            content = json.load(f)
-        shards = content.get("weight_map", {}) if isinstance(content, dict) else {}
-        missing = sorted(set(shards.values()) - set(names)) if isinstance(shards, dict) else [index]
-        if missing:
-            return os.path.join(folder, missing[0]), f"is missing ({index} lists it)"
     return None
 
 

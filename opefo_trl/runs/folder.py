@@ -38,9 +38,12 @@ from opefo_trl.runs.files import (
     RUN_CONFIG_FILE,
     SAMPLES_FILE,
     SET_ASIDE_DIR,
+    TRAINING_ARGS_NAME,
     UNFINISHED_FINAL_MODEL,
+    WEIGHTS_RE,
     RunFolderBusy,
     RunFolderError,
+    file_problem,
     fsync_dir,
     remove_entry,
     write_json_atomically,
@@ -328,6 +331,31 @@ def _move_final_model(output_dir: str, staging: str, declare: Callable[[list[str
     return names
 
 
+def saved_model_problem(folder: str) -> tuple[str, str] | None:
+    """``(file, reason)`` of the first reason ``folder`` is not a whole model as ``Trainer.save_model`` writes it,
+    else None: the file it writes last (``training_args.bin``) missing, a file that cannot be read whole (safetensors
+    headers against the file's size, JSON, ``torch.save`` archives), no weights, or a shard its index lists missing.
+    Nothing is loaded."""
+    names = sorted(os.listdir(folder))
+    if TRAINING_ARGS_NAME not in names:
+        return os.path.join(folder, TRAINING_ARGS_NAME), "is missing (save_model writes it last: it did not finish)"
+    for root, _, files in sorted(os.walk(folder)):
+        for name in sorted(files):
+            reason = None if name.startswith(".") else file_problem(os.path.join(root, name))
+            if reason is not None:
+                return os.path.join(root, name), reason
+    if not any(WEIGHTS_RE.match(n) for n in names):
+        return folder, "holds no model weights (model.safetensors, adapter_model.safetensors, ...)"
+    for index in (n for n in names if WEIGHTS_RE.match(n) and n.endswith(".index.json")):
+        with open(os.path.join(folder, index)) as f:
+            content = json.load(f)
+        shards = content.get("weight_map", {}) if isinstance(content, dict) else {}
+        missing = sorted(set(shards.values()) - set(names)) if isinstance(shards, dict) else [index]
+        if missing:
+            return os.path.join(folder, missing[0]), f"is missing ({index} lists it)"
+    return None
+
+
 def unfinished_final_models(output_dir: str) -> list[str]:
     """The paths of the final models that runs into ``output_dir`` were killed while saving, kept for the user
     (``UNFINISHED_FINAL_MODEL``, then ``.2``, ``.3``, ...)."""
@@ -339,8 +367,6 @@ def unfinished_final_models(output_dir: str) -> list[str]:
 
 def unfinished_final_model_message(output_dir: str, kept: str) -> str:
     """Where the final model of a run killed while saving it is, what it lacks, and how to take it or discard it."""
-    from opefo_trl.runs.checkpoint import saved_model_problem  # checkpoint imports this module
-
     problem = saved_model_problem(kept) if os.path.isdir(kept) else None
     lacks = f": {problem[0]} {problem[1]}" if problem else ""
     return (
@@ -366,8 +392,6 @@ def _settle_final_model(output_dir: str) -> str | None:
     whether or not it was marked so before a kill) is moved into place ("moved"), or kept there if it cannot be
     ("kept", logged with where it is); a save that did not finish is kept under a name of its own ("unfinished",
     logged with where it is and what to do). None when there is no staging folder."""
-    from opefo_trl.runs.checkpoint import saved_model_problem  # checkpoint imports this module
-
     staging = os.path.join(output_dir, FINAL_MODEL_STAGING)
     if not os.path.lexists(staging):
         return None
