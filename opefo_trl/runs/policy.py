@@ -147,8 +147,9 @@ class OutputDirPolicy:
         writer = self.writes_output_dir
         if writer and not locked and os.path.isdir(output_dir):
             self._recover(output_dir)
-        for kept in unfinished_final_models(output_dir) if writer else []:  # the user takes it or discards it first
-            raise ValueError(unfinished_final_model_message(output_dir, kept))
+        kept = unfinished_final_models(output_dir) if writer else []
+        if kept:  # the user takes it or discards it first
+            raise ValueError(unfinished_final_model_message(output_dir, kept[0]))
         model = self.model_name_or_path
         if model and os.path.isdir(os.path.expanduser(model)):
             if os.path.realpath(os.path.expanduser(model)) == os.path.realpath(output_dir):
