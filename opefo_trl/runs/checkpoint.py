@@ -311,7 +311,8 @@ def _start_afresh(output_dir: str, earlier: list[str], resuming: bool) -> str:
     included = ", its final model included," if final_model else ""
     return (
         f"Start afresh in it with --overwrite_output_dir true{without_resume} (the overwrite deletes "
-        f"{shown_files(earlier)}{included} once the new run has saved something), or give another --output_dir{further}."
+        f"{shown_files(earlier)}{included} once the new run has saved something), or give another "
+        f"--output_dir{further}."
     )
 
 
