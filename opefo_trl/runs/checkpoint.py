@@ -310,9 +310,8 @@ def _start_afresh(output_dir: str, earlier: list[str], resuming: bool) -> str:
     without_resume = " and without --resume_from_checkpoint" if resuming else ""
     included = ", its final model included," if final_model else ""
     return (
-        f"Start afresh in it with --overwrite_output_dir true{without_resume} (the overwrite deletes "
-        f"{shown_files(earlier)}{included} once the new run has saved something), or give another "
-        f"--output_dir{further}."
+        f"Start afresh in it with --overwrite_output_dir true{without_resume} (the overwrite deletes those files"
+        f"{included} once the new run has saved something), or give another --output_dir{further}."
     )
 
 

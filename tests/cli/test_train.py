@@ -1782,7 +1782,7 @@ def test_a_run_folder_without_a_checkpoint_names_the_one_command_that_works(
     assert (
         f"opefo-train: error: resume_from_checkpoint=true but output_dir '{out}' has no checkpoint-<step> folder: its "
         "earlier run (metrics.jsonl) saved none. Start afresh in it with --overwrite_output_dir true and without "
-        "--resume_from_checkpoint (the overwrite deletes metrics.jsonl once the new run has saved something)"
+        "--resume_from_checkpoint (the overwrite deletes those files once the new run has saved something)"
     ) in err
     assert main(argv) == 2
     err = capsys.readouterr().err
