@@ -52,8 +52,13 @@ def _read_mapping(path: str) -> dict:
     import yaml
 
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             values = yaml.load(f, Loader=_unique_key_loader())  # a SafeLoader
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"Recipe file {path!r} is not UTF-8 text (byte {err.object[err.start : err.end].hex(' ')} at offset "
+            f"{err.start}): save it as UTF-8."
+        ) from None
     except yaml.YAMLError as err:
         raise ValueError(f"Recipe file {path!r} is not valid YAML: {err}") from err
     except DuplicateRecipeKey as err:
@@ -94,7 +99,9 @@ def read_recipe_chain(path: str) -> list[tuple[str, dict]]:
         if not os.path.isfile(base_path):
             raise FileNotFoundError(
                 f"Recipe file {current!r}: its base {base!r} does not exist (looked for {base_path!r}; a base is "
-                "relative to the recipe's folder)."
+                "relative to the recipe's folder). A recipe copied out of its folder needs its base too: copy the "
+                f"base recipe to {base_path!r}, or set `base:` to the base recipe's path (absolute, or relative to "
+                f"{os.path.dirname(os.path.abspath(current))!r})."
             )
         if os.path.realpath(base_path) in seen:
             cycle = " -> ".join(name for name, _ in chain)

@@ -115,7 +115,12 @@ def parse_args(argv: Sequence[str] | None = None):
 
 def validate_args(script_args, training_args, model_args) -> None:
     """Cross-option checks that need no model weights (TRL / OPEFOConfig check their own fields on construction)."""
-    from opefo_trl.data.loading import check_datasets_cache, local_file_builder, resolve_dataset_source
+    from opefo_trl.data.loading import (
+        check_config_for_files,
+        check_datasets_cache,
+        local_file_builder,
+        resolve_dataset_source,
+    )
     from opefo_trl.data.model_files import check_model_name_or_path
     from opefo_trl.data.prompts import get_template
     from opefo_trl.trainer.checks import check_training_values, non_finite_options
@@ -137,6 +142,7 @@ def validate_args(script_args, training_args, model_args) -> None:
         deduplicate=script_args.deduplicate,
     )
     check_datasets_cache()
+    check_config_for_files(script_args.dataset_config, script_args.dataset_files)
     if script_args.dataset_files:
         local_file_builder(script_args.dataset_files)
     elif script_args.dataset_name == "local":

@@ -476,6 +476,21 @@ def resolve_dataset_source(
     )
 
 
+def check_config_for_files(config: str | None, data_files: Sequence[str] | None) -> None:
+    """Refuse a hub configuration given with local files, which have none (`datasets` would ignore it).
+
+    >>> check_config_for_files("main", ["data/train.jsonl"])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: dataset_config 'main' names a configuration of a hub data set, but dataset_files reads local files, ...
+    """
+    if config is not None and data_files:
+        raise ValueError(
+            f"dataset_config {config!r} names a configuration of a hub data set, but dataset_files reads local files, "
+            "which have none: drop dataset_config, or drop dataset_files to load that configuration from the hub."
+        )
+
+
 def _load_raw(source: DatasetPreset, *, name: str, split: str, data_files: Sequence[str] | None):
     from datasets import load_dataset
 
@@ -485,7 +500,16 @@ def _load_raw(source: DatasetPreset, *, name: str, split: str, data_files: Seque
         raise ValueError("Data set 'local' needs `data_files`: the local JSON / JSONL / Parquet / CSV files to read.")
     if os.path.isfile(source.hub_id):
         return load_local_files(source.hub_id, split=split)
-    return load_dataset(source.hub_id, source.config, split=split)
+    try:
+        return load_dataset(source.hub_id, source.config, split=split)
+    except ConnectionError as err:  # offline (HF_HUB_OFFLINE=1, huggingface_hub's OfflineModeIsEnabled) or no network
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
+        raise FileNotFoundError(
+            f"Data set {source.hub_id!r} is not in the local datasets cache, and the hub cannot be reached "
+            f"({'HF_HUB_OFFLINE is set: ' if offline else ''}{err}). Download it once with network access"
+            f"{' and HF_HUB_OFFLINE unset' if offline else ''} (`datasets.load_dataset({source.hub_id!r}, "
+            f"{source.config!r}, split={split!r})`), or give local files with the same columns in dataset_files."
+        ) from None
 
 
 def _deduplicate(problems: list[str]) -> list[int]:
@@ -550,6 +574,7 @@ def load_math_dataset(
         deduplicate=deduplicate,
     )
     get_template(template)  # an unknown name is a ValueError listing the valid ones, before any loading
+    check_config_for_files(config, data_files)
     if max_samples is not None and max_samples < 1:
         raise ValueError(f"max_samples must be at least 1 (or None for all rows), got {max_samples}.")
     shown = name if not data_files else f"{name} ({', '.join(map(os.fspath, data_files))})"

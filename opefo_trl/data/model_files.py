@@ -135,14 +135,40 @@ def check_model_config(directory: str | os.PathLike) -> None:
         )
 
 
+def safetensors_problem(path: str | os.PathLike) -> str | None:
+    """Why safetensors cannot read the file whole (it checks the header, and that the data covers the file to its
+    end), read without loading a tensor; None if it can."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(os.fspath(path), framework="numpy") as f:
+            f.keys()
+    except SafetensorError as err:
+        return f"cannot be read by safetensors (cut short or damaged: {err})"
+    return None
+
+
 def safetensors_shapes(directory: str | os.PathLike) -> dict[str, tuple[str, list[int]]]:
-    """``{tensor name: (file name, shape)}`` of the ``*.safetensors`` files of ``directory``, from their headers."""
+    """``{tensor name: (file name, shape)}`` of the ``*.safetensors`` files of ``directory``, from their headers.
+
+    Raises:
+        ValueError: a file safetensors cannot read whole (:func:`safetensors_problem`: what an interrupted copy or
+            save leaves), named with its size.
+    """
     from safetensors import safe_open
 
     shapes: dict[str, tuple[str, list[int]]] = {}
     for name in sorted(os.listdir(directory)):
         if name.endswith(".safetensors"):
-            with safe_open(os.path.join(directory, name), framework="pt") as f:
+            path = os.path.join(directory, name)
+            problem = safetensors_problem(path)
+            if problem is not None:
+                raise ValueError(
+                    f"{path} ({os.path.getsize(path)} bytes) {problem}: the weights are not whole, as an interrupted "
+                    "copy or save leaves them. Copy that file again from where it came from (or save the model "
+                    "again), or give another model."
+                )
+            with safe_open(path, framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
                     shapes[key] = (name, list(f.get_slice(key).get_shape()))
     return shapes
@@ -258,7 +284,7 @@ def check_has_tokenizer(directory: str | os.PathLike) -> None:
     if not any(os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_FILES):
         raise FileNotFoundError(
             f"Model directory {os.fspath(directory)} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): "
-            "it is not a whole saved model (a run stopped while moving its final model leaves one like this). Give "
+            "it is not a whole saved model (a run killed while saving its final model leaves one like this). Give "
             "a folder with its tokenizer, e.g. the run's last checkpoint-<step> folder, or copy the base model's "
             "tokenizer files into it."
         )

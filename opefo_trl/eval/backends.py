@@ -101,6 +101,31 @@ def non_finite_tensors(directory: str) -> list[str]:
     return found
 
 
+def _no_model_message(path: str) -> str:
+    """Why the folder ``path`` holds no model, and what to evaluate: a run folder whose final model is not in place
+    (staged, or kept unfinished after a kill) says so."""
+    from opefo_trl.runs import FINAL_MODEL_STAGING, checkpoints, unfinished_final_models
+
+    found = f"{path} holds neither a model (config.json) nor a PEFT adapter (adapter_config.json)"
+    saved = [checkpoint for _, checkpoint in checkpoints(path)]
+    instead = f", or evaluate one of its checkpoints (--model_name_or_path {saved[-1]})" if saved else ""
+    staging = os.path.join(path, FINAL_MODEL_STAGING)
+    if os.path.isdir(staging):
+        return (
+            f"{found}: the final model of its run is still staged in {staging} (that run is saving it, or was stopped "
+            f"while it did). Once the run has ended, run its opefo-train command again, which moves the model into "
+            f"place (or keeps it aside, saying where, if it is not whole), then evaluate {path}{instead}."
+        )
+    kept = unfinished_final_models(path)
+    if kept:
+        return (
+            f"{found}: its run was killed while saving its final model, which is kept in {kept[-1]} and may lack "
+            f"files (opefo-train's command for {path} says which). Evaluate that folder if it is whole enough "
+            f"(--model_name_or_path {kept[-1]}){instead}."
+        )
+    return found + "."
+
+
 def resolve_model_source(model_name_or_path: str, base_model_name_or_path: str | None = None) -> ModelSource:
     """Find out what ``model_name_or_path`` is without loading weights.
 
@@ -143,7 +168,7 @@ def resolve_model_source(model_name_or_path: str, base_model_name_or_path: str |
             check_has_tokenizer(path)
             check_model_config(path)
             return ModelSource(path, tokenizer_path=path)
-        raise FileNotFoundError(f"{path} holds neither a model (config.json) nor a PEFT adapter (adapter_config.json).")
+        raise FileNotFoundError(_no_model_message(path))
     if os.path.exists(path) or looks_like_local_path(model_name_or_path):
         raise FileNotFoundError(f"Model path {model_name_or_path!r} does not exist.")
     return ModelSource(model_name_or_path, tokenizer_path=model_name_or_path)

@@ -117,13 +117,22 @@ def _disk_full_message(output_dir: str, err: OSError, store: SampleStore | None)
     (``samples.jsonl`` is cut back to its earlier samples)."""
     where = err.filename or output_dir
     samples = os.path.join(output_dir, SAMPLES_FILE)
-    stored = len(store.samples) if store is not None else 0
+    stored = len(store.samples) if store is not None else _count_lines(samples)  # none read yet: those on disk
     kept = f"the {stored} samples stored in {samples}" if stored else f"no samples yet (none in {samples})"
     return (
         f"Cannot write {where}: its disk is full ({err.strerror or err}; {free_bytes(where)} bytes free). Kept: "
         f"{kept}; no file of {output_dir} is left half-written. Free space on that disk (or give another "
         "output_dir), then run the command again: it samples only what is missing."
     )
+
+
+def _count_lines(path: str) -> int:
+    """The number of whole (newline-ended), non-blank lines of ``path`` (0 if it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip() and line.endswith(b"\n"))
+    except OSError:
+        return 0
 
 
 def _sample_and_score(config, store, benchmarks, problems_by_benchmark, source, backend_name, backend_factory):

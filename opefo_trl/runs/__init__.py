@@ -45,6 +45,7 @@ from opefo_trl.runs.files import (
     RUN_OPTIONS_NAME,
     SET_ASIDE_DIR,
     TRAINER_STATE_NAME,
+    UNFINISHED_FINAL_MODEL,
     CheckpointError,
     CheckpointSaveError,
     MetricsFileError,
@@ -63,6 +64,7 @@ from opefo_trl.runs.folder import (
     record_in_manifest,
     recover_interrupted_run,
     run_files,
+    unfinished_final_models,
     write_manifest,
 )
 from opefo_trl.runs.metrics import metrics_files, read_metrics_lines
@@ -81,6 +83,7 @@ __all__ = [
     "RUN_OPTIONS_NAME",
     "SET_ASIDE_DIR",
     "TRAINER_STATE_NAME",
+    "UNFINISHED_FINAL_MODEL",
     "CheckpointError",
     "CheckpointSaveError",
     "MetricsFileError",
@@ -117,6 +120,7 @@ __all__ = [
     "save_method_state",
     "saving_checkpoint",
     "training_inputs",
+    "unfinished_final_models",
     "updates_per_rollout",
     "write_manifest",
 ]

@@ -22,7 +22,6 @@ import logging
 import math
 import os
 import shutil
-import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,13 +35,13 @@ from opefo_trl.runs.files import (
     LOW_SPACE,
     METHOD_STATE_NAME,
     SET_ASIDE_DIR,
-    TORCH_SAVE_RE,
     TRAINER_STATE_NAME,
     WEIGHTS_RE,
     CheckpointError,
     CheckpointSaveError,
     RunFolderError,
     checkpoint_step,
+    file_problem,
     free_bytes,
     remove_entry,
     write_json_atomically,
@@ -132,70 +131,6 @@ def shown_files(names: list[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _safetensors_problem(path: str) -> str | None:
-    """Why safetensors cannot read the file whole (it checks the header and that the data covers the file)."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(path, framework="numpy") as f:  # the header only: no tensor is read
-            f.keys()
-    except SafetensorError as err:
-        return f"cannot be read by safetensors (cut short or damaged: {err})"
-    return None
-
-
-def _file_problem(path: str, method_state_name: str, saved_size: int | None) -> str | None:
-    """Why a checkpoint file cannot be loaded, read without loading any tensor; None if it looks whole."""
-    name = os.path.basename(path)
-    try:
-        with open(path, "rb") as f:
-            f.read(1)
-    except OSError as err:  # unreadable (permissions, an I/O error): loading it would fail after the model loaded
-        return f"cannot be read ({type(err).__name__}: {err.strerror or err})"
-    size = os.path.getsize(path)
-    known = name.endswith((".safetensors", ".json")) or TORCH_SAVE_RE.search(name)
-    if known and size == 0 and saved_size != 0:
-        return "is empty"
-    if saved_size is not None and size != saved_size:
-        if size < saved_size:
-            return f"is cut short: it has {size} bytes where its save wrote {saved_size}"
-        return f"has changed since it was saved: it has {size} bytes where its save wrote {saved_size}"
-    if name.endswith(".safetensors"):
-        return _safetensors_problem(path)
-    if name.endswith(".json"):
-        try:
-            with open(path) as f:
-                content = json.load(f)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            return f"is not valid JSON ({err})"
-        if name == TRAINER_STATE_NAME:
-            return _trainer_state_problem(path, content)
-        if name == method_state_name and not (isinstance(content, dict) and {"method", "state"} <= content.keys()):
-            return "lacks the method or its state"
-        return None
-    if TORCH_SAVE_RE.search(name):
-        try:
-            with zipfile.ZipFile(path):  # reads the central directory at the end: gone when the file is cut short
-                pass
-        except zipfile.BadZipFile:
-            return "is not a whole torch.save archive (cut short?)"
-    return None
-
-
-def _trainer_state_problem(path: str, content: Any) -> str | None:
-    """Why transformers cannot resume from this ``trainer_state.json`` (read as a resume reads it, with
-    ``TrainerState.load_from_json``), or None."""
-    from transformers import TrainerState
-
-    try:
-        TrainerState.load_from_json(path)
-    except TypeError as err:  # not a mapping, or a key this release's TrainerState does not take
-        return f"cannot be read by transformers' TrainerState.load_from_json ({err})"
-    if "global_step" not in content:  # TrainerState would take the step for 0, and train the run again from there
-        return "has no global_step"
-    return None
-
-
 def _first_problem(checkpoint: str) -> tuple[str, str] | None:
     """``(file, reason)`` of the first reason ``checkpoint`` cannot be resumed from, else None: a damaged file, then
     a missing completion marker, then a file the marker lists that is gone, the trainer state, the weights."""
@@ -206,7 +141,7 @@ def _first_problem(checkpoint: str) -> tuple[str, str] | None:
             relative = os.path.relpath(path, checkpoint)
             if relative == CHECKPOINT_MARKER or name.startswith("."):
                 continue
-            reason = _file_problem(path, METHOD_STATE_NAME, sizes.get(relative))
+            reason = file_problem(path, sizes.get(relative))
             if reason is not None:
                 return path, reason
     if marker_problem is not None:
@@ -326,6 +261,12 @@ def resume_checkpoint(
     if resume is True:
         last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
         if last is None:
+            earlier = run_files(output_dir)
+            if earlier:
+                raise CheckpointError(
+                    f"resume_from_checkpoint=true but output_dir {output_dir!r} has no checkpoint-<step> folder: its "
+                    f"earlier run ({shown_files(earlier)}) saved none. {_start_afresh(output_dir, earlier, True)}"
+                )
             raise CheckpointError(
                 f"resume_from_checkpoint=true but output_dir {output_dir!r} has no checkpoint-<step> folder. Give the "
                 "checkpoint's path, or drop resume_from_checkpoint to start afresh."
@@ -354,6 +295,42 @@ def resume_checkpoint(
         )
     check_checkpoint(resume, method)
     return resume
+
+
+def _start_afresh(output_dir: str, earlier: list[str], resuming: bool) -> str:
+    """The one command that trains in a folder holding an earlier run's files (``earlier``) and no whole
+    checkpoint."""
+    final_model = any(WEIGHTS_RE.match(n) for n in earlier)
+    further = (
+        f"; to train its final model further, start from it in another folder (--model_name_or_path {output_dir} "
+        "--output_dir <another folder>)"
+        if final_model
+        else ""
+    )
+    without_resume = " and without --resume_from_checkpoint" if resuming else ""
+    included = ", its final model included," if final_model else ""
+    return (
+        f"Start afresh in it with --overwrite_output_dir true{without_resume} (the overwrite deletes those files"
+        f"{included} once the new run has saved something), or give another --output_dir{further}."
+    )
+
+
+def earlier_run_message(output_dir: str, earlier: list[str]) -> str:
+    """Why a fresh run is refused a folder holding the ``earlier`` run's files, and the commands that work."""
+    try:
+        resumable = resume_checkpoint(True, output_dir, warn=False) is not None
+    except CheckpointError:
+        resumable = False
+    if not resumable:
+        return (
+            f"output_dir {output_dir!r} holds an earlier run ({shown_files(earlier)}) that saved no whole checkpoint "
+            f"to resume; training into it would mix the two runs. {_start_afresh(output_dir, earlier, False)}"
+        )
+    return (
+        f"output_dir {output_dir!r} holds an earlier run ({shown_files(earlier)}); training into it would mix the two "
+        "runs. Resume it with --resume_from_checkpoint true, start afresh in it with --overwrite_output_dir true "
+        "(deletes those files once the new run has saved its first checkpoint), or give another --output_dir."
+    )
 
 
 def check_steps_left(checkpoint: str, planned_steps: int) -> None:

@@ -7,10 +7,13 @@ import os
 import re
 import shutil
 import tempfile
+import zipfile
 from collections.abc import Callable
 from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from opefo_trl.data.model_files import safetensors_problem
 
 #: The metrics files of `opefo-train` (`metrics_jsonl`): one for the main process, or one per process.
 METRICS_FILE = "metrics.jsonl"
@@ -30,8 +33,15 @@ SET_ASIDE_DIR = ".opefo_overwritten"
 #: Where `opefo-train` saves the final model before moving its files into output_dir (named in the manifest first).
 FINAL_MODEL_STAGING = ".opefo_final_model"
 #: Written into the staging folder once ``save_model`` has returned on every process: the staged model is whole, and is
-#: moved into place (never deleted) by whatever finds it there, the next run after a kill included.
+#: moved into place (never deleted) by whatever finds it there, the next run after a kill included. A staged model
+#: without it is moved into place too when its files show it whole, else kept in ``UNFINISHED_FINAL_MODEL``.
 FINAL_MODEL_SAVED = ".opefo_final_model_saved"
+#: Where a staged final model that was not marked whole, and whose files do not show it whole (a kill inside
+#: ``save_model``), is kept, never deleted, for the user to take or discard.
+UNFINISHED_FINAL_MODEL = "final_model.unfinished"
+#: What ``Trainer.save_model`` writes last (``transformers.trainer.TRAINING_ARGS_NAME``): a saved model holding it whole
+#: was saved to the end.
+TRAINING_ARGS_NAME = "training_args.bin"
 CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 METRICS_RE = re.compile(r"^metrics(\.rank\d+)?\.jsonl$")
 #: Weight files `Trainer.save_model` writes (full model, shards and their index, a PEFT adapter).
@@ -176,3 +186,56 @@ def checkpoint_step(checkpoint: str) -> int:
     from transformers import TrainerState
 
     return TrainerState.load_from_json(os.path.join(checkpoint, TRAINER_STATE_NAME)).global_step
+
+
+def file_problem(path: str, saved_size: int | None = None) -> str | None:
+    """Why a saved file (of a checkpoint, of a final model) cannot be loaded, read without loading any tensor; None if
+    it looks whole. ``saved_size``: the size its save wrote, if known."""
+    name = os.path.basename(path)
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as err:  # unreadable (permissions, an I/O error): loading it would fail after the model loaded
+        return f"cannot be read ({type(err).__name__}: {err.strerror or err})"
+    size = os.path.getsize(path)
+    known = name.endswith((".safetensors", ".json")) or TORCH_SAVE_RE.search(name)
+    if known and size == 0 and saved_size != 0:
+        return "is empty"
+    if saved_size is not None and size != saved_size:
+        if size < saved_size:
+            return f"is cut short: it has {size} bytes where its save wrote {saved_size}"
+        return f"has changed since it was saved: it has {size} bytes where its save wrote {saved_size}"
+    if name.endswith(".safetensors"):
+        return safetensors_problem(path)
+    if name.endswith(".json"):
+        try:
+            with open(path) as f:
+                content = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            return f"is not valid JSON ({err})"
+        if name == TRAINER_STATE_NAME:
+            return _trainer_state_problem(path, content)
+        if name == METHOD_STATE_NAME and not (isinstance(content, dict) and {"method", "state"} <= content.keys()):
+            return "lacks the method or its state"
+        return None
+    if TORCH_SAVE_RE.search(name):
+        try:
+            with zipfile.ZipFile(path):  # reads the central directory at the end: gone when the file is cut short
+                pass
+        except zipfile.BadZipFile:
+            return "is not a whole torch.save archive (cut short?)"
+    return None
+
+
+def _trainer_state_problem(path: str, content: Any) -> str | None:
+    """Why transformers cannot resume from this ``trainer_state.json`` (read as a resume reads it, with
+    ``TrainerState.load_from_json``), or None."""
+    from transformers import TrainerState
+
+    try:
+        TrainerState.load_from_json(path)
+    except TypeError as err:  # not a mapping, or a key this release's TrainerState does not take
+        return f"cannot be read by transformers' TrainerState.load_from_json ({err})"
+    if "global_step" not in content:  # TrainerState would take the step for 0, and train the run again from there
+        return "has no global_step"
+    return None

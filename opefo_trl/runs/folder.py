@@ -38,8 +38,12 @@ from opefo_trl.runs.files import (
     RUN_CONFIG_FILE,
     SAMPLES_FILE,
     SET_ASIDE_DIR,
+    TRAINING_ARGS_NAME,
+    UNFINISHED_FINAL_MODEL,
+    WEIGHTS_RE,
     RunFolderBusy,
     RunFolderError,
+    file_problem,
     fsync_dir,
     remove_entry,
     write_json_atomically,
@@ -327,23 +331,75 @@ def _move_final_model(output_dir: str, staging: str, declare: Callable[[list[str
     return names
 
 
+def saved_model_problem(folder: str) -> tuple[str, str] | None:
+    """``(file, reason)`` of the first reason ``folder`` is not a whole model as ``Trainer.save_model`` writes it,
+    else None: the file it writes last (``training_args.bin``) missing, a file that cannot be read whole (safetensors
+    headers against the file's size, JSON, ``torch.save`` archives), no weights, or a shard its index lists missing.
+    Nothing is loaded."""
+    names = sorted(os.listdir(folder))
+    if TRAINING_ARGS_NAME not in names:
+        return os.path.join(folder, TRAINING_ARGS_NAME), "is missing (save_model writes it last: it did not finish)"
+    for root, _, files in sorted(os.walk(folder)):
+        for name in sorted(files):
+            reason = None if name.startswith(".") else file_problem(os.path.join(root, name))
+            if reason is not None:
+                return os.path.join(root, name), reason
+    if not any(WEIGHTS_RE.match(n) for n in names):
+        return folder, "holds no model weights (model.safetensors, adapter_model.safetensors, ...)"
+    for index in (n for n in names if WEIGHTS_RE.match(n) and n.endswith(".index.json")):
+        with open(os.path.join(folder, index)) as f:
+            content = json.load(f)
+        shards = content.get("weight_map", {}) if isinstance(content, dict) else {}
+        missing = sorted(set(shards.values()) - set(names)) if isinstance(shards, dict) else [index]
+        if missing:
+            return os.path.join(folder, missing[0]), f"is missing ({index} lists it)"
+    return None
+
+
+def unfinished_final_models(output_dir: str) -> list[str]:
+    """The paths of the final models that runs into ``output_dir`` were killed while saving, kept for the user
+    (``UNFINISHED_FINAL_MODEL``, then ``.2``, ``.3``, ...)."""
+    if not os.path.isdir(output_dir):
+        return []
+    names = (n for n in os.listdir(output_dir) if n.split(".", 2)[:2] == UNFINISHED_FINAL_MODEL.split("."))
+    return [os.path.join(output_dir, n) for n in sorted(names)]
+
+
+def unfinished_final_model_message(output_dir: str, kept: str) -> str:
+    """Where the final model of a run killed while saving it is, what it lacks, and how to take it or discard it."""
+    problem = saved_model_problem(kept) if os.path.isdir(kept) else None
+    lacks = f": {problem[0]} {problem[1]}" if problem else ""
+    return (
+        f"output_dir {output_dir!r} holds the final model of a run killed while saving it, kept in {kept}; it may "
+        f"lack files{lacks}. Take it (move it out of {output_dir}; a tokenizer it lacks can be copied from the model "
+        f"the run started from) or discard it (`rm -r {kept}`), then run the command again."
+    )
+
+
+def _keep_unfinished(output_dir: str, staging: str) -> str:
+    """Rename the unfinished final model ``staging`` to a name of its own in ``output_dir``; returns its path."""
+    kept, number = os.path.join(output_dir, UNFINISHED_FINAL_MODEL), 1
+    while os.path.lexists(kept):
+        number += 1
+        kept = os.path.join(output_dir, f"{UNFINISHED_FINAL_MODEL}.{number}")
+    os.replace(staging, kept)
+    fsync_dir(output_dir)
+    return kept
+
+
 def _settle_final_model(output_dir: str) -> str | None:
-    """What a run left in the final model's staging folder: a whole model (``save_model`` returned) is moved into
-    place ("moved"), or kept there if it cannot be ("kept", logged with where it is); a save that did not finish is
-    removed ("removed"). None when there is no staging folder."""
+    """What a run left in the final model's staging folder, never deleted: a whole model (``save_model`` returned,
+    whether or not it was marked so before a kill) is moved into place ("moved"), or kept there if it cannot be
+    ("kept", logged with where it is); a save that did not finish is kept under a name of its own ("unfinished",
+    logged with where it is and what to do). None when there is no staging folder."""
     staging = os.path.join(output_dir, FINAL_MODEL_STAGING)
     if not os.path.lexists(staging):
         return None
     if not os.path.isfile(os.path.join(staging, FINAL_MODEL_SAVED)):
-        remove_entry(staging)
-        logger.warning(
-            "A run into %s was stopped while saving its final model: the incomplete save %s is removed, and %s holds "
-            "no final model (its last checkpoint, if any, holds the last weights it saved).",
-            output_dir,
-            staging,
-            output_dir,
-        )
-        return "removed"
+        if not os.path.isdir(staging) or saved_model_problem(staging) is not None:
+            logger.warning("%s", unfinished_final_model_message(output_dir, _keep_unfinished(output_dir, staging)))
+            return "unfinished"
+        _mark_final_model_saved(staging)  # killed after save_model returned, before the mark: every file is whole
     try:
         names = _move_final_model(output_dir, staging)
     except RunFolderError as err:
@@ -351,8 +407,8 @@ def _settle_final_model(output_dir: str) -> str | None:
         return "kept"
     if names:
         logger.warning(
-            "A run into %s was stopped while moving its final model into place; its whole final model (%s) is now in "
-            "%s.",
+            "A run into %s was stopped before its saved final model was in place; its whole final model (%s) is now "
+            "in %s.",
             output_dir,
             ", ".join(names),
             output_dir,
@@ -363,11 +419,12 @@ def _settle_final_model(output_dir: str) -> str | None:
 def recover_interrupted_run(output_dir: str) -> list[str]:
     """Finish or undo what a killed run left half done (call it holding the lock); returns the names moved back.
 
-    A deletion of the entries set aside is finished. A final model whose save finished (``save_model`` returned) is
-    moved into place, never deleted; kept in its staging folder, and said so, if a file no run of ours wrote is in
-    its way; a save that did not finish is removed. An overwrite whose final model is whole has finished: the earlier
-    run it set aside is deleted, as the run would have. An overwrite that saved nothing is undone: the earlier run
-    is moved back, the killed run's own entries removed.
+    A deletion of the entries set aside is finished. A staged final model is never deleted: one whose save finished
+    (marked so, or with every file ``save_model`` writes whole) is moved into place; kept in its staging folder, and
+    said so, if a file no run of ours wrote is in its way; a save that did not finish is kept under a name of its own
+    (``UNFINISHED_FINAL_MODEL``), and said so. An overwrite whose final model is whole has finished: the earlier run
+    it set aside is deleted, as the run would have. An overwrite that saved nothing whole is undone: the earlier run
+    is moved back, the killed run's own entries removed (not its unfinished final model, which no manifest lists).
     """
     if os.path.isdir(os.path.join(output_dir, SET_ASIDE_DIR + ".discard")):
         _discard_set_aside(output_dir)

@@ -28,6 +28,7 @@ from opefo_trl.runs.checkpoint import (
     check_rollout_boundary,
     check_steps_left,
     checkpoints,
+    earlier_run_message,
     foreign_checkpoint_files,
     resume_checkpoint,
 )
@@ -48,6 +49,8 @@ from opefo_trl.runs.folder import (
     lock_holder,
     recover_interrupted_run,
     run_files,
+    unfinished_final_model_message,
+    unfinished_final_models,
 )
 from opefo_trl.runs.metrics import metrics_files, read_metrics_lines
 from opefo_trl.runs.options import check_resume_options
@@ -124,13 +127,14 @@ class OutputDirPolicy:
     def check(self, *, locked: bool = False) -> None:
         """Refuse an output_dir this run cannot own, and a checkpoint to resume from that could not be loaded.
 
-        Refused: a folder another run holds (its lock), the model's own folder, a folder holding files no run of ours
-        wrote (:func:`~opefo_trl.runs.foreign_entries`), an earlier run (:func:`~opefo_trl.runs.run_files`) unless
-        this run resumes a checkpoint in it or overwrites it, an overwrite that would delete the model or checkpoint
-        this run starts from, and a metrics file the resumed run would append to whose lines before the last are not
-        whole. What a killed run left half done is finished or undone first, holding the lock. On the processes that
-        do not write the folder, only the checkpoint is checked. ``locked``: the caller holds the folder's lock
-        (:meth:`held`, checking again).
+        Refused: a folder another run holds (its lock), the model's own folder, a folder holding the final model of a
+        run killed while saving it (:func:`~opefo_trl.runs.unfinished_final_models`, kept until the user takes or
+        discards it), a folder holding files no run of ours wrote (:func:`~opefo_trl.runs.foreign_entries`), an
+        earlier run (:func:`~opefo_trl.runs.run_files`) unless this run resumes a checkpoint in it or overwrites it,
+        an overwrite that would delete the model or checkpoint this run starts from, and a metrics file the resumed
+        run would append to whose lines before the last are not whole. What a killed run left half done is finished or
+        undone first, holding the lock. On the processes that do not write the folder, only the checkpoint is
+        checked. ``locked``: the caller holds the folder's lock (:meth:`held`, checking again).
         """
         output_dir, resume = self.args.output_dir, self.args.resume_from_checkpoint
         if os.path.islink(output_dir) and not os.path.exists(output_dir):
@@ -143,6 +147,9 @@ class OutputDirPolicy:
         writer = self.writes_output_dir
         if writer and not locked and os.path.isdir(output_dir):
             self._recover(output_dir)
+        kept = unfinished_final_models(output_dir) if writer else []
+        if kept:  # the user takes it or discards it first
+            raise ValueError(unfinished_final_model_message(output_dir, kept[0]))
         model = self.model_name_or_path
         if model and os.path.isdir(os.path.expanduser(model)):
             if os.path.realpath(os.path.expanduser(model)) == os.path.realpath(output_dir):
@@ -195,12 +202,7 @@ class OutputDirPolicy:
             )
         earlier = run_files(output_dir)
         if earlier and not resumes_here and not self.overwrite:
-            raise ValueError(
-                f"output_dir {output_dir!r} holds an earlier run ({_shown(earlier)}); training into it would mix the "
-                "two runs. Resume it with --resume_from_checkpoint true, start afresh in it with "
-                "--overwrite_output_dir true (deletes those files once the new run has saved its first checkpoint), "
-                "or give another --output_dir."
-            )
+            raise ValueError(earlier_run_message(output_dir, earlier))
         self._check_checkpoint_contents(output_dir, earlier, resume if resumes_here else None)
         starts_from = [p for p in (self.model_name_or_path, resume) if p and os.path.isdir(os.path.expanduser(p))]
         if self.overwrite:

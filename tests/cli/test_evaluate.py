@@ -89,6 +89,54 @@ def test_cli_names_a_model_folder_without_weights(tiny_model_path, bench_file, t
     assert err.startswith(f"opefo-eval: error: {model} holds no weights (no *.safetensors") and "Traceback" not in err
 
 
+@pytest.mark.parametrize("left", ["staged", "unfinished"])
+def test_a_run_folder_whose_final_model_is_not_in_place_says_where_it_is(
+    left, tiny_model_path, bench_file, tmp_path, capsys
+):
+    """A run folder whose final model was still staged (or kept unfinished after a kill) was said only to hold
+    "neither a model ... nor a PEFT adapter"."""
+    import shutil
+
+    from opefo_trl.runs import FINAL_MODEL_STAGING, UNFINISHED_FINAL_MODEL
+
+    run = tmp_path / "run"
+    (run / "checkpoint-2").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    model = run / (FINAL_MODEL_STAGING if left == "staged" else UNFINISHED_FINAL_MODEL)
+    shutil.copytree(tiny_model_path, model)
+    argv = ["--model_name_or_path", str(run), "--benchmarks", bench_file, "--output_dir", str(tmp_path / "eval")]
+    assert main([*argv, "--backend", "transformers", "--no_progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"opefo-eval: error: {run} holds neither a model (config.json) nor a PEFT adapter ")
+    if left == "staged":
+        assert f"the final model of its run is still staged in {model} (that run is saving it, or was stopped" in err
+        assert "run its opefo-train command again, which moves the model into place" in err
+    else:
+        assert f"its run was killed while saving its final model, which is kept in {model} and may lack" in err
+        assert f"(--model_name_or_path {model})" in err
+    assert f"or evaluate one of its checkpoints (--model_name_or_path {run / 'checkpoint-2'})." in err
+
+
+@pytest.mark.parametrize("cut_to", [100, 4000, "half"])
+def test_cut_off_weights_are_one_line_naming_the_file_and_the_fix(
+    cut_to, tiny_model_path, bench_file, tmp_path, capsys
+):
+    """A model.safetensors cut short (what an interrupted copy leaves) gave safetensors' own SafetensorError."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model)
+    weights = model / "model.safetensors"
+    size = weights.stat().st_size // 2 if cut_to == "half" else cut_to
+    os.truncate(weights, size)
+    argv = ["--model_name_or_path", str(model), "--benchmarks", bench_file, "--output_dir", str(tmp_path / "eval")]
+    assert main([*argv, "--backend", "transformers", "--no_progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"opefo-eval: error: {weights} ({size} bytes) cannot be read by safetensors (cut short or ")
+    assert "Copy that file again from where it came from" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "eval").exists()
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -422,6 +470,26 @@ def test_a_full_disk_is_one_line_saying_what_was_kept_and_leaves_no_partial_file
     assert main(argv) == 0
     assert len((out / "samples.jsonl").read_text().splitlines()) == 32
     assert json.loads((out / "results.json").read_text())["benchmarks"]["arith"]["metrics"]
+
+
+def test_a_full_disk_at_the_lock_names_the_samples_already_stored(small_disk, tiny_model_path, bench_file, capsys):
+    """With the disk full when the lock is taken, the message said "Kept: no samples yet" of a store holding 8."""
+    out = small_disk(16) / "eval"
+    argv = [
+        "--model_name_or_path", tiny_model_path, "--benchmarks", bench_file, "--output_dir", str(out),
+        "--backend", "transformers", "--no_progress", "--num_samples", "2", "--max_new_tokens", "4",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    stored = (out / "samples.jsonl").read_text()
+    assert len(stored.splitlines()) == 8
+    os.remove(out.parent / "filler")
+    small_disk(0)
+    capsys.readouterr()
+    assert main([*argv, "--num_samples", "4"]) == 2
+    err = capsys.readouterr().err
+    assert f"opefo-eval: error: Cannot write {out}: its disk is full" in err and "Traceback" not in err
+    assert f"Kept: the 8 samples stored in {out / 'samples.jsonl'}; no file of {out} is left half-written." in err
+    assert (out / "samples.jsonl").read_text() == stored
 
 
 @pytest.mark.parametrize(

@@ -56,7 +56,8 @@ def test_opefo_train_reads_the_merged_recipe_and_the_command_line_wins(tmp_path,
             {"r.yaml": "base: nope.yaml\nseed: 1\n"},
             "r.yaml",
             "Recipe file '{d}/r.yaml': its base 'nope.yaml' does not exist (looked for '{d}/nope.yaml'; a base is "
-            "relative to the recipe's folder).",
+            "relative to the recipe's folder). A recipe copied out of its folder needs its base too: copy the base "
+            "recipe to '{d}/nope.yaml', or set `base:` to the base recipe's path (absolute, or relative to '{d}').",
         ),
         (
             {"a.yaml": "base: b.yaml\n", "b.yaml": "base: a.yaml\n"},
@@ -106,3 +107,30 @@ def test_unknown_keys_and_wrong_types_are_named_in_the_file_that_holds_them(tmp_
     write(tmp_path / "r.yaml", "base: base.yaml\nseed: 1\n")
     assert train.main(["--config", recipe]) == 2
     assert capsys.readouterr().err.startswith(f"opefo-train: error: Recipe '{base}': `max_steps: 2.5` is a float")
+
+
+def test_a_shipped_recipe_copied_elsewhere_names_where_it_looked_and_the_fix(tmp_path, capsys):
+    """A shipped recipe copied out of recipes/<model>/ failed with "its base 'base.yaml' does not exist" only."""
+    import shutil
+
+    shipped = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "qwen2.5-math-7b")
+    copy = shutil.copy(os.path.join(shipped, "opefo.yaml"), tmp_path / "opefo.yaml")
+    assert train.main(["--config", str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert f"its base 'base.yaml' does not exist (looked for '{tmp_path / 'base.yaml'}'; " in err
+    assert f"copy the base recipe to '{tmp_path / 'base.yaml'}', or set `base:` to the base recipe's path" in err
+    shutil.copy(os.path.join(shipped, "base.yaml"), tmp_path / "base.yaml")  # the fix it names
+    assert load_recipe(str(copy)) == load_recipe(os.path.join(shipped, "opefo.yaml"))
+
+
+@pytest.mark.parametrize("recipe", ["own", "base"])
+def test_a_recipe_that_is_not_utf8_is_one_line_naming_the_file(recipe, tmp_path, capsys):
+    """A Latin-1 recipe gave "'utf-8' codec can't decode byte 0xe9 ..." without naming the file."""
+    bad = tmp_path / f"{recipe}.yaml"
+    bad.write_bytes("seed: 1\n# caf\u00e9\n".encode("latin-1"))
+    if recipe == "base":
+        write(tmp_path / "r.yaml", "base: base.yaml\n")
+    assert train.main(["--config", str(tmp_path / ("r.yaml" if recipe == "base" else "own.yaml"))]) == 2
+    assert capsys.readouterr().err == (
+        f"opefo-train: error: Recipe file '{bad}' is not UTF-8 text (byte e9 at offset 13): save it as UTF-8.\n"
+    )

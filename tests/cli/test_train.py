@@ -1748,6 +1748,154 @@ def test_a_final_model_whose_move_was_killed_is_moved_into_place_by_the_next_com
         assert f"opefo-train: error: output_dir '{out}' holds an earlier run (" in err and "model.safetensors" in err
 
 
+def test_a_hub_data_set_missing_from_the_offline_cache_is_one_line(tiny_model_path, tmp_path, no_model_loading, capsys):
+    """With HF_HUB_OFFLINE=1, a data set not in the cache gave datasets' ConnectionError (OfflineModeIsEnabled)."""
+    assert os.environ["HF_HUB_OFFLINE"] == "1"  # as the tests run
+    out = tmp_path / "out"
+    argv = [*_cpu_overrides(tiny_model_path, "", str(out)), "--dataset_name", "opefo-trl-tests/never-cached"]
+    argv.remove("--dataset_files"), argv.remove("")
+    extra = ["--problem_column", "question", "--answer_column", "final_answer"]
+    assert main(["--config", RECIPE, *argv, *extra]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "opefo-train: error: Data set 'opefo-trl-tests/never-cached' is not in the local datasets cache, and the hub "
+        "cannot be reached (HF_HUB_OFFLINE is set: "
+    ) in err
+    assert "Download it once with network access and HF_HUB_OFFLINE unset" in err and "Traceback" not in err
+
+
+def test_a_hub_configuration_given_with_local_files_is_refused(tiny_model_path, problems_file, tmp_path, capsys):
+    """dataset_config with dataset_files: the files were read, the configuration ignored without a word."""
+    out = tmp_path / "out"
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(out)), "--dataset_config", "main"]
+    with pytest.raises(ValueError, match="dataset_config 'main' names a configuration of a hub data set, but dataset_"):
+        parse_args(argv)  # before anything loads
+    assert main(argv) == 2
+    assert "opefo-train: error: dataset_config 'main' names a configuration" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("cut_to", [100, 4000, "half"])
+def test_cut_off_weights_are_one_line_naming_the_file_and_the_fix(
+    cut_to, tiny_model_path, problems_file, tmp_path, no_model_loading, capsys
+):
+    """A model.safetensors cut short (what an interrupted copy leaves) gave safetensors' own SafetensorError."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model)
+    weights = model / "model.safetensors"
+    size = weights.stat().st_size // 2 if cut_to == "half" else cut_to
+    os.truncate(weights, size)
+    out = tmp_path / "out"
+    assert main(["--config", RECIPE, *_cpu_overrides(str(model), problems_file, str(out))]) == 2
+    err = capsys.readouterr().err
+    assert f"opefo-train: error: {weights} ({size} bytes) cannot be read by safetensors (cut short or " in err
+    assert "Copy that file again from where it came from" in err and "Traceback" not in err and not out.exists()
+
+
+def test_a_run_folder_without_a_checkpoint_names_the_one_command_that_works(
+    tiny_model_path, problems_file, tmp_path, reward_module, capsys, snapshot
+):
+    """A folder holding a run's metrics and no checkpoint: the resume was told to "drop resume_from_checkpoint to
+    start afresh", and the plain rerun to "Resume it with --resume_from_checkpoint true"; each is refused. Only the
+    overwrite works, and both now name it."""
+    out = tmp_path / "out"
+    record_in_manifest(str(out), ["metrics.jsonl"])
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
+    reward = ["--reward_funcs", "opefo_cli_test_rewards.digit_overlap_reward"]
+    argv = ["--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(out)), *reward]
+    before = snapshot(out)
+    assert main([*argv, "--resume_from_checkpoint", "true"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"opefo-train: error: resume_from_checkpoint=true but output_dir '{out}' has no checkpoint-<step> folder: its "
+        "earlier run (metrics.jsonl) saved none. Start afresh in it with --overwrite_output_dir true and without "
+        "--resume_from_checkpoint (the overwrite deletes those files once the new run has saved something)"
+    ) in err
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"opefo-train: error: output_dir '{out}' holds an earlier run (metrics.jsonl) that saved no whole checkpoint to"
+        " resume; training into it would mix the two runs. Start afresh in it with --overwrite_output_dir true (the "
+    ) in err
+    assert "Resume it" not in err and snapshot(out) == before
+    assert main([*argv, "--overwrite_output_dir", "true"]) == 0  # the command they name
+    assert '"loss": 0.5' not in (out / "metrics.jsonl").read_text() and (out / "model.safetensors").exists()
+
+
+KILLED_BEFORE_THE_MARK = """
+import os, signal, sys
+
+import transformers
+
+from opefo_trl.runs import FINAL_MODEL_STAGING, RunFolder
+
+
+def kill():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if os.environ["OPEFO_KILL_AT"] == "mark":  # save_model has returned on every process; the staged model is unmarked
+    RunFolder.publish_final_model = lambda self, staging: kill()
+else:  # inside save_model: config and weights written, the tokenizer and training_args.bin not yet
+    original = transformers.PreTrainedModel.save_pretrained
+
+    def killed_after_the_weights(self, save_directory, *args, **kwargs):
+        original(self, save_directory, *args, **kwargs)
+        if os.path.basename(os.path.normpath(save_directory)) == FINAL_MODEL_STAGING:
+            kill()
+
+    transformers.PreTrainedModel.save_pretrained = killed_after_the_weights
+from opefo_trl.cli.train import main
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("kill_at, resume", [("mark", False), ("mark", True), ("weights", False), ("weights", True)])
+def test_a_final_model_killed_before_it_was_marked_whole_is_never_deleted(
+    kill_at, resume, tiny_model_path, problems_file, tmp_path, reward_module, caplog, capsys
+):
+    """The next command (a resume or a rerun) deleted a run's final model staged without checkpoints, when a kill -9
+    came after save_model returned and before the model was marked whole, or inside save_model after its weights: the
+    only copy of the training. Now a whole one (save_model's files all there and readable) is moved into place, and
+    one that is not is kept under its own name, the command saying where and how to take or discard it."""
+    from opefo_trl.runs import FINAL_MODEL_STAGING, UNFINISHED_FINAL_MODEL, run_files
+
+    out = tmp_path / "out"
+    reward = ["--reward_funcs", "opefo_cli_test_rewards.digit_overlap_reward"]
+    argv = [
+        "--config", RECIPE, *_cpu_overrides(tiny_model_path, problems_file, str(out), max_steps=2), *reward,
+        "--save_strategy", "no",
+    ]  # fmt: skip
+    killed = _start(tmp_path / "..", argv, KILLED_BEFORE_THE_MARK, PYTHONPATH=str(tmp_path), OPEFO_KILL_AT=kill_at)
+    output = killed.communicate(timeout=600)[0].decode()
+    assert killed.returncode == -9, output[-3000:]
+    staging = out / FINAL_MODEL_STAGING
+    staged = {n: (staging / n).read_bytes() for n in os.listdir(staging)}
+    assert "model.safetensors" in staged and ("training_args.bin" in staged) == (kill_at == "mark")
+    again = [*argv, *(["--resume_from_checkpoint", "true"] if resume else [])]
+
+    with caplog.at_level("WARNING"):
+        assert main(again) == 2
+    err = capsys.readouterr().err
+    assert not staging.exists() and "Traceback" not in err
+    if kill_at == "mark":  # whole: in place, byte for byte, as an uninterrupted run leaves it
+        assert {n: (out / n).read_bytes() for n in staged} == staged and set(staged) <= set(run_files(str(out)))
+        assert f"its whole final model ({', '.join(sorted(staged))}) is now in {out}" in caplog.text
+        assert "--resume_from_checkpoint true" not in err and "--overwrite_output_dir true" in err
+        return
+    kept = out / UNFINISHED_FINAL_MODEL
+    assert {n: (kept / n).read_bytes() for n in os.listdir(kept)} == staged
+    assert (
+        f"opefo-train: error: output_dir '{out}' holds the final model of a run killed while saving it, kept in "
+        f"{kept}" in err
+    )
+    assert f"rm -r {kept}" in err and "training_args.bin is missing" in err
+    assert main(again) == 2  # said again, deleted never
+    assert {n: (kept / n).read_bytes() for n in os.listdir(kept)} == staged
+    assert f"kept in {kept}" in capsys.readouterr().err
+
+
 def test_a_checkpoint_without_its_options_file_is_compared_through_its_training_args(
     tiny_model_path, problems_file, tmp_path, reward_module, capsys, snapshot
 ):

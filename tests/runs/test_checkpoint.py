@@ -331,7 +331,7 @@ def test_an_unreadable_checkpoint_file_is_named(saved_run, monkeypatch):
     """Issue 32, D10: a PermissionError traceback. (Made unreadable through ``open``: chmod does not stop root.)"""
     import builtins
 
-    import opefo_trl.runs.checkpoint as checkpoint_module
+    import opefo_trl.runs.files as files_module  # where checkpoint files are read (file_problem)
 
     checkpoint = saved_run / "checkpoint-4"
     unreadable = str(checkpoint / "optimizer.pt")
@@ -341,7 +341,7 @@ def test_an_unreadable_checkpoint_file_is_named(saved_run, monkeypatch):
             raise PermissionError(errno.EACCES, "Permission denied", unreadable)
         return builtins.open(path, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint_module, "open", guarded_open, raising=False)
+    monkeypatch.setattr(files_module, "open", guarded_open, raising=False)
     with pytest.raises(CheckpointError) as raised:
         check_checkpoint(str(checkpoint), "opefo")
     assert str(raised.value).startswith(

@@ -236,10 +236,23 @@ def test_a_staged_final_model_in_the_way_of_a_users_file_is_kept_and_said_where(
     assert (folder / "tokenizer.json").read_text() == "new tokenizer.json" and not staging.exists()
 
 
-def test_a_final_model_whose_save_did_not_finish_is_removed_and_said_so(saved_run, snapshot, caplog):
+def test_a_final_model_whose_save_did_not_finish_is_kept_under_its_own_name_and_said_so(saved_run, snapshot, caplog):
+    """The next run deleted a staged final model without its mark, the only copy of a run without checkpoints: now it
+    is kept, under a name of its own, every byte, and each command into the folder says where and how to take it."""
+    from opefo_trl.runs import UNFINISHED_FINAL_MODEL
+
     before = snapshot(saved_run)
-    _stage_final_model(saved_run, saved=False)
+    staged = snapshot(_stage_final_model(saved_run, saved=False))
     with caplog.at_level("WARNING"):
         assert recover_interrupted_run(str(saved_run)) == []
-    assert snapshot(saved_run) == before
-    assert f"the incomplete save {saved_run / FINAL_MODEL_STAGING} is removed" in caplog.text
+    kept = saved_run / UNFINISHED_FINAL_MODEL
+    assert snapshot(kept) == staged and not (saved_run / FINAL_MODEL_STAGING).exists()
+    assert {n: v for n, v in snapshot(saved_run).items() if not n.startswith(UNFINISHED_FINAL_MODEL)} == before
+    assert (
+        f"holds the final model of a run killed while saving it, kept in {kept}; it may lack files: "
+        f"{kept / 'training_args.bin'} is missing"
+    ) in caplog.text
+    assert f"or discard it (`rm -r {kept}`)" in caplog.text
+    _stage_final_model(saved_run, saved=False)  # a second one keeps the first
+    recover_interrupted_run(str(saved_run))
+    assert snapshot(kept) == staged and snapshot(saved_run / f"{UNFINISHED_FINAL_MODEL}.2") == staged
