@@ -17,7 +17,7 @@ import yaml
 
 from opefo_trl.cli.recipe_files import load_recipe, read_recipe_chain
 from opefo_trl.cli.train import main, parse_args
-from opefo_trl.runs import updates_per_rollout
+from opefo_trl.runs import rollout_boundary_period
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "recipes")
 MODELS = {"qwen2.5-math-7b": 3000, "qwen3-4b-base": 8000}  # max completion tokens (the paper's setup)
@@ -185,7 +185,7 @@ def test_recipe_parses_with_the_papers_settings(model, method):
         )
     assert args.use_vllm and args.vllm_mode == "colocate"
     assert args.bf16 and args.logging_steps == 1 and args.num_train_epochs == 1 and args.save_steps > 0
-    assert args.save_steps % updates_per_rollout(args) == 0  # every checkpoint at a rollout boundary: resumable
+    assert args.save_steps % rollout_boundary_period(args) == 0  # every checkpoint at a rollout boundary: resumable
     assert args.optim.startswith("adamw") and args.entropy_flow_diagnostics
     assert script_args.dataset_name == "dapo-math-17k" and script_args.reward_funcs == ["math_accuracy_reward"]
     assert (

@@ -243,7 +243,13 @@ def prepare_inputs(script_args, training_args, model_args) -> tuple:
     from opefo_trl.data.train_dataset import load_tokenizer, load_train_dataset, split_probe
     from opefo_trl.experimental.fixed_probe import check_probe_dataset
     from opefo_trl.methods import get_token_method_class
-    from opefo_trl.trainer.checks import check_dropout, check_trains_some_steps, check_vllm_setup
+    from opefo_trl.trainer.checks import (
+        check_dropout,
+        check_save_steps,
+        check_trains_some_steps,
+        check_vllm_setup,
+        steps_per_epoch,
+    )
 
     check_context_length(script_args, training_args, model_args)
     tokenizer = load_tokenizer(model_args, training_args)
@@ -251,8 +257,12 @@ def prepare_inputs(script_args, training_args, model_args) -> tuple:
     if script_args.probe_prompts:
         needs_rollout_pass = get_token_method_class(training_args.method).needs_rollout_pass
         check_probe_dataset(split_probe(dataset, script_args.probe_prompts)[1], training_args, needs_rollout_pass)
-    steps = check_trains_some_steps(len(dataset) - script_args.probe_prompts, training_args)
-    output_dir_policy(script_args, training_args, model_args).check_resume(steps, run_inputs(script_args))
+    num_prompts = len(dataset) - script_args.probe_prompts
+    steps = check_trains_some_steps(num_prompts, training_args)
+    check_save_steps(training_args, steps_per_epoch(num_prompts, training_args))
+    output_dir_policy(script_args, training_args, model_args).check_resume(
+        steps, run_inputs(script_args), steps_per_epoch(num_prompts, training_args)
+    )
     # What the machine at hand cannot run with vLLM, and dropout in training (the trainer checks them again, too late
     # for one line).
     check_vllm_setup(training_args, model_args.model_name_or_path)

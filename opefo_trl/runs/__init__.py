@@ -17,6 +17,7 @@ Example:
 """
 
 from opefo_trl.runs.checkpoint import (
+    at_rollout_boundary,
     check_checkpoint,
     check_rollout_boundary,
     check_steps_left,
@@ -28,10 +29,11 @@ from opefo_trl.runs.checkpoint import (
     previous_whole_checkpoint,
     reported_write_errors,
     resume_checkpoint,
+    rollout_boundary_period,
+    rollout_schedule,
     rotate_run_checkpoints,
     save_method_state,
     saving_checkpoint,
-    updates_per_rollout,
 )
 from opefo_trl.runs.files import (
     CHECKPOINT_MARKER,
@@ -92,6 +94,7 @@ __all__ = [
     "RunFolderBusy",
     "RunFolderError",
     "RunLock",
+    "at_rollout_boundary",
     "busy_message",
     "check_checkpoint",
     "check_resume_options",
@@ -115,12 +118,13 @@ __all__ = [
     "recover_interrupted_run",
     "reported_write_errors",
     "resume_checkpoint",
+    "rollout_boundary_period",
+    "rollout_schedule",
     "rotate_run_checkpoints",
     "run_files",
     "save_method_state",
     "saving_checkpoint",
     "training_inputs",
     "unfinished_final_models",
-    "updates_per_rollout",
     "write_manifest",
 ]

@@ -24,6 +24,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -350,36 +351,87 @@ def check_steps_left(checkpoint: str, planned_steps: int) -> None:
         )
 
 
-def updates_per_rollout(args: Any) -> int:
-    """How many optimizer steps of a run (its `GRPOConfig`) train on one rollout batch, as TRL 1.16 schedules them: it
-    samples a rollout every ``steps_per_generation * num_iterations`` micro-batches (``GRPOTrainer._prepare_inputs``)
-    and an optimizer step takes ``gradient_accumulation_steps`` of them, so a new rollout starts right after the steps
-    that are multiples of this. 1: every step starts on a rollout of its own (on-policy).
+def rollout_boundary_period(args: Any) -> int:
+    """Every how many optimizer steps of an epoch a rollout ends where a step ends, as TRL 1.16 schedules them
+    (``args``: a `GRPOConfig`). TRL samples a rollout every G = ``steps_per_generation * num_iterations``
+    micro-batches, counted over the whole run (``GRPOTrainer._prepare_inputs``); an optimizer step takes A =
+    ``gradient_accumulation_steps`` of them, the last of an epoch fewer, and an epoch's micro-batches are a multiple of
+    G. So within an epoch the steps that end on a rollout boundary are the multiples of G / gcd(G, A), and every
+    epoch ends on one. 1: every step does.
 
     >>> from types import SimpleNamespace
-    >>> updates_per_rollout(SimpleNamespace(steps_per_generation=16, num_iterations=1, gradient_accumulation_steps=2))
-    8
-    >>> updates_per_rollout(SimpleNamespace(steps_per_generation=16, num_iterations=1, gradient_accumulation_steps=16))
-    1
+    >>> period = lambda spg, iterations, accum: rollout_boundary_period(
+    ...     SimpleNamespace(steps_per_generation=spg, num_iterations=iterations, gradient_accumulation_steps=accum)
+    ... )
+    >>> period(16, 1, 2), period(4, 2, 3), period(2, 1, 4)
+    (8, 8, 1)
     """
     micro_batches = args.steps_per_generation * args.num_iterations
     return micro_batches // math.gcd(micro_batches, args.gradient_accumulation_steps)
 
 
-def check_rollout_boundary(checkpoint: str, args: Any) -> None:
-    """Refuse to resume a checkpoint saved between the updates of one rollout (:func:`updates_per_rollout`): TRL keeps
-    the rollout it trains on in memory (``_buffered_inputs``), not in the checkpoint, so the resumed run would sample
-    a new rollout and train the rollout's remaining updates on other completions. Names the latest whole checkpoint
-    before it that is at a rollout boundary."""
-    per_rollout = updates_per_rollout(args)
+def at_rollout_boundary(step: int, args: Any, steps_per_epoch: int | None = None) -> bool:
+    """Whether optimizer step ``step`` ends on a rollout boundary (:func:`rollout_boundary_period`); without
+    ``steps_per_epoch`` (the optimizer steps of an epoch, as transformers' Trainer counts them), as in the first
+    epoch."""
+    within = step % steps_per_epoch if steps_per_epoch else step
+    return within % rollout_boundary_period(args) == 0
+
+
+def rollout_schedule(args: Any) -> str:
+    """How TRL's rollouts and the optimizer steps of a run (its `GRPOConfig`) line up, in words.
+
+    >>> from types import SimpleNamespace
+    >>> args = SimpleNamespace(steps_per_generation=4, num_iterations=2, gradient_accumulation_steps=3)
+    >>> print(rollout_schedule(args))  # doctest: +NORMALIZE_WHITESPACE
+    TRL samples a rollout every 8 micro-batches (steps_per_generation 4 x num_iterations 2) and an optimizer step
+    takes 3 (gradient_accumulation_steps), so a rollout spans 8/3 optimizer steps and ends where a step ends only
+    every 8 steps (3 rollouts)
+    """
+    micro_batches, accumulation = args.steps_per_generation * args.num_iterations, args.gradient_accumulation_steps
+    spans = Fraction(micro_batches, accumulation)
+    text = (
+        f"TRL samples a rollout every {micro_batches} micro-batches (steps_per_generation {args.steps_per_generation} "
+        f"x num_iterations {args.num_iterations}) and an optimizer step takes {accumulation} "
+        f"(gradient_accumulation_steps), so a rollout spans {spans} optimizer step{'s' if spans != 1 else ''}"
+    )
+    if spans.denominator == 1:
+        return text
+    period = rollout_boundary_period(args)
+    rollouts = period * accumulation // micro_batches
+    return f"{text} and ends where a step ends only every {period} steps ({rollouts} rollouts)"
+
+
+def check_rollout_boundary(checkpoint: str, args: Any, steps_per_epoch: int | None = None, refuse: bool = True) -> None:
+    """Refuse (``refuse``), or else warn about, a resume from a checkpoint saved between the updates of one rollout
+    (:func:`at_rollout_boundary`): TRL keeps the rollout it trains on in memory (``_buffered_inputs``), not in the
+    checkpoint, so the resumed run samples a new rollout and trains the rollout's remaining updates on other
+    completions. GRPOTrainer resumes so; a method whose token weights come from the rollout refuses it. The refusal
+    names the latest whole checkpoint before it that is at a rollout boundary."""
     step = checkpoint_step(checkpoint)
-    if step % per_rollout == 0:
+    if at_rollout_boundary(step, args, steps_per_epoch):
         return
-    end = step - step % per_rollout + per_rollout
+    period = rollout_boundary_period(args)
+    within = step % steps_per_epoch if steps_per_epoch else step
+    end = step - within % period + period
+    if steps_per_epoch:
+        end = min(end, step - within + steps_per_epoch)
     left = f"step {end}" if end == step + 1 else f"steps {step + 1}-{end}"
+    saved = (
+        f"it was saved at step {step}, between the updates of one rollout. {rollout_schedule(args)}. TRL keeps the "
+        f"rollout in memory, not in the checkpoint"
+    )
+    if not refuse:
+        logger.warning(
+            f"Resuming {checkpoint}: {saved}, so, as GRPOTrainer does, the resume samples a new rollout and trains "
+            f"{left} on other completions than the uninterrupted run would."
+        )
+        return
     run = os.path.dirname(os.path.normpath(checkpoint))
     earlier = [
-        path for s, path in checkpoints(run) if s < step and s % per_rollout == 0 and _first_problem(path) is None
+        path
+        for s, path in checkpoints(run)
+        if s < step and at_rollout_boundary(s, args, steps_per_epoch) and _first_problem(path) is None
     ]
     if earlier:
         fix = f"Resume from {earlier[-1]}, the latest checkpoint at a rollout boundary, with --resume_from_checkpoint"
@@ -390,12 +442,9 @@ def check_rollout_boundary(checkpoint: str, args: Any) -> None:
             f"run from its weights (--model_name_or_path {checkpoint})"
         )
     raise CheckpointError(
-        f"Cannot resume {checkpoint}: it was saved at step {step}, between the updates of one rollout. This run trains "
-        f"{per_rollout} optimizer steps on each rollout batch (TRL samples one every steps_per_generation "
-        f"{args.steps_per_generation} x num_iterations {args.num_iterations} micro-batches, an optimizer step takes "
-        f"gradient_accumulation_steps {args.gradient_accumulation_steps}) and keeps the rollout in memory, not in the "
-        f"checkpoint: the resume would sample a new rollout and train {left} on other completions than the run's. "
-        f"{fix}. To keep every checkpoint resumable, make save_steps (and max_steps) a multiple of {per_rollout}."
+        f"Cannot resume {checkpoint}: {saved}: the resume would sample a new rollout and train {left} on other "
+        f"completions, with other token weights, than the run's. {fix}. To keep every checkpoint resumable, make "
+        f"save_steps (and max_steps) a multiple of {period}."
     )
 
 

@@ -238,16 +238,23 @@ class OutputDirPolicy:
                     "the command again."
                 )
 
-    def check_resume(self, planned_steps: int, inputs: dict[str, Any] | None = None) -> None:
+    def check_resume(
+        self, planned_steps: int, inputs: dict[str, Any] | None = None, steps_per_epoch: int | None = None
+    ) -> None:
         """Refuse to resume a checkpoint at or past the run's ``planned_steps``, with options it would override or
         other ``inputs`` than it recorded (:func:`~opefo_trl.runs.check_resume_options`,
         :func:`~opefo_trl.runs.training_inputs`; what it takes is said when training resumes), or saved between the
-        updates of one rollout (:func:`~opefo_trl.runs.check_rollout_boundary`)."""
+        updates of one rollout by a method whose token weights come from the rollout
+        (:func:`~opefo_trl.runs.check_rollout_boundary`; ``method="grpo"`` resumes there as GRPOTrainer does, and
+        the trainer warns)."""
+        from opefo_trl.methods import get_token_method_class
+
         resume = resume_checkpoint(self.args.resume_from_checkpoint, self.args.output_dir, self.args.method, warn=False)
         if resume is not None:
             check_steps_left(resume, planned_steps)
             check_resume_options(resume, self.args, inputs)
-            check_rollout_boundary(resume, self.args)
+            if get_token_method_class(self.args.method).weighs_tokens():
+                check_rollout_boundary(resume, self.args, steps_per_epoch)
 
     @contextmanager
     def held(self) -> Iterator[RunFolder | None]:

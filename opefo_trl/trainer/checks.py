@@ -30,12 +30,13 @@ import functools
 import math
 import numbers
 import traceback
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from trl.trainer.utils import is_async_callable
 
-from opefo_trl.runs.checkpoint import updates_per_rollout
+from opefo_trl.runs.checkpoint import at_rollout_boundary, rollout_boundary_period, rollout_schedule
 
 
 class NonFiniteWeightsError(ValueError):
@@ -171,42 +172,76 @@ def _sampling_and_run_problems(args) -> list[str]:
         value = getattr(args, option, None)
         if value is not None and not 0 <= value < 2**32:
             problems.append(f"{option}={value}: seeds must be in [0, 2**32 - 1] (numpy's range)")
-    problem = save_steps_problem(args)
-    if problem:
-        problems.append(problem)
     return problems
 
 
-def save_steps_problem(args) -> str | None:
-    """Why ``save_steps`` would save checkpoints that cannot be resumed, or None: in an off-policy configuration (more
-    than one optimizer step per rollout batch, :func:`~opefo_trl.runs.updates_per_rollout`), a checkpoint between
-    the updates of one rollout is refused on resume (TRL keeps the rollout in memory, not in the checkpoint). Refused
-    rather than warned about: such checkpoints are never resumable, ``save_total_limit`` can rotate out every one that
-    is, and the fix costs nothing.
+def mid_rollout_saves(args, steps_per_epoch: int | None = None, save_steps: float | None = None) -> list[int]:
+    """The steps, before the run's last, at which ``save_strategy="steps"`` saves a checkpoint between the updates of
+    one rollout (:func:`~opefo_trl.runs.at_rollout_boundary`). The run's steps are ``max_steps``, else
+    ``num_train_epochs`` epochs of ``steps_per_epoch`` (None: not known, none are listed). The final checkpoint, of
+    a finished run, is left to the resume's own check; an epoch ends on a rollout boundary, so
+    ``save_strategy="epoch"`` saves none. ``save_steps``: instead of ``args.save_steps``.
 
     >>> from types import SimpleNamespace
-    >>> args = SimpleNamespace(save_strategy="steps", save_steps=50, steps_per_generation=16, num_iterations=1,
-    ...                        gradient_accumulation_steps=2)
-    >>> print(save_steps_problem(args))  # doctest: +ELLIPSIS
-    save_steps=50 saves between the updates of one rollout: ... give save_steps a multiple of 8 (e.g. 56)
+    >>> args = SimpleNamespace(save_strategy="steps", save_steps=500, max_steps=16, steps_per_generation=4,
+    ...                        num_iterations=2, gradient_accumulation_steps=3)
+    >>> mid_rollout_saves(args, 100), mid_rollout_saves(args, 100, save_steps=4)
+    ([], [4, 12])
     """
-    if getattr(getattr(args, "save_strategy", None), "value", getattr(args, "save_strategy", None)) != "steps":
-        return None
+    strategy = getattr(args, "save_strategy", None)
+    if getattr(strategy, "value", strategy) != "steps":
+        return []
     counts = ("steps_per_generation", "num_iterations", "gradient_accumulation_steps")
     if not all(isinstance(getattr(args, n, None), int) and getattr(args, n) >= 1 for n in counts):
-        return None  # a count below 1 is refused on its own
-    per_rollout = updates_per_rollout(args)
-    save_steps = args.save_steps
-    if per_rollout == 1 or (save_steps >= 1 and save_steps % per_rollout == 0):
-        return None
-    what = f"save_steps={save_steps}" + (" (a fraction of the run's steps) can save" if save_steps < 1 else " saves")
-    suggested = per_rollout * max(1, math.ceil(save_steps / per_rollout))
-    return (
-        f"{what} between the updates of one rollout: this configuration trains {per_rollout} optimizer steps on "
-        f"each rollout batch (steps_per_generation {args.steps_per_generation} x num_iterations {args.num_iterations} "
-        f"micro-batches per rollout, gradient_accumulation_steps {args.gradient_accumulation_steps} per step), and a "
-        "checkpoint between them cannot be resumed (TRL keeps the rollout in memory, not in the checkpoint); give "
-        f"save_steps a multiple of {per_rollout} (e.g. {suggested})"
+        return []  # a count below 1 is refused on its own
+    if not steps_per_epoch:
+        return []
+    planned = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
+    save_steps = args.save_steps if save_steps is None else save_steps
+    every = math.ceil(planned * save_steps) if save_steps < 1 else int(save_steps)  # as transformers counts them
+    saves = range(every, planned, every) if every >= 1 else range(0)
+    return [step for step in saves if not at_rollout_boundary(step, args, steps_per_epoch)]
+
+
+def check_save_steps(args, steps_per_epoch: int | None) -> None:
+    """Refuse a ``save_steps`` that saves checkpoints the token method cannot resume from (``steps_per_epoch``: the
+    optimizer steps of an epoch over the training data, :func:`dataset_steps_per_epoch`).
+
+    A checkpoint saved between the updates of one rollout (:func:`mid_rollout_saves`) does not hold the rollout, which
+    TRL keeps in memory: a resume from it samples a new one. GRPOTrainer resumes so, and ``method="grpo"`` (or a plain
+    `GRPOConfig`) does too, after a warning, given here once, with what such a resume loses. A method whose token
+    weights come from the rollout refuses such a resume (:func:`~opefo_trl.runs.check_rollout_boundary`), so its
+    save_steps is refused instead: ``save_total_limit`` could rotate out every checkpoint it can resume, and the fix
+    costs nothing.
+    """
+    mid_rollout = mid_rollout_saves(args, steps_per_epoch)
+    if not mid_rollout:
+        return
+    from opefo_trl.methods import TOKEN_METHODS
+
+    method = getattr(args, "method", "grpo")
+    refused = method in TOKEN_METHODS and TOKEN_METHODS[method].weighs_tokens()
+    period = rollout_boundary_period(args)
+    suggested = period * max(1, math.ceil(args.save_steps / period))
+    shown = ", ".join(map(str, mid_rollout[:3])) + (f" and {len(mid_rollout) - 3} more" if len(mid_rollout) > 3 else "")
+    at = f"step{'s' if len(mid_rollout) > 1 else ''} {shown}"
+    saves = f"save_steps={args.save_steps} saves checkpoints between the updates of one rollout (at {at})"
+    fix = f"a save_steps that is a multiple of {period} (e.g. {suggested})"
+    if mid_rollout_saves(args, steps_per_epoch, save_steps=suggested):
+        fix = "save_strategy='epoch' (every epoch ends on a rollout boundary)"
+    if not refused:
+        warnings.warn(
+            f"{saves}: {rollout_schedule(args)}. TRL keeps the rollout in memory, not in the checkpoint, so a resume "
+            "from one of them samples a new rollout and trains the rest of that rollout's updates on other "
+            f"completions than this run does (as GRPOTrainer's resume does). With {fix} every checkpoint is at a "
+            "rollout boundary.",
+            stacklevel=1,  # here, whoever checks: the same text from the same line is shown once
+        )
+        return
+    raise ValueError(
+        f"{saves}: {rollout_schedule(args)}. TRL keeps the rollout in memory, not in the checkpoint, and "
+        f"method={method!r} cannot resume from such a checkpoint (its token weights come from the rollout); give "
+        f"{fix}."
     )
 
 
@@ -431,6 +466,15 @@ def steps_per_epoch(num_prompts: int, args) -> int:
     generations = num_prompts // (args.generation_batch_size // args.num_generations)
     micro_batches = generations * args.num_iterations * args.steps_per_generation
     return math.ceil(micro_batches / args.gradient_accumulation_steps)
+
+
+def dataset_steps_per_epoch(dataset: Any, args) -> int | None:
+    """:func:`steps_per_epoch` over ``dataset``; for one without a length (an iterable data set), ``max_steps`` (one
+    epoch of them, as transformers' Trainer counts it), None if not set."""
+    try:
+        return steps_per_epoch(len(dataset), args)
+    except TypeError:
+        return args.max_steps if args.max_steps > 0 else None
 
 
 def planned_steps(num_prompts: int, args) -> int:

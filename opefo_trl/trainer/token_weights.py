@@ -489,18 +489,17 @@ class MicroBatchWeigher:
             )
             weights = decide_rollout_weights(self.method, rollout, self.context).weights
             if weights is not None:  # None: unweighted, as in RolloutWeigher.weigh
-                advantages = advantages * weights
+                advantages = inputs["advantages"] = advantages * weights
             call.weighted = True
         batch = TokenBatch(
             logps_detached, entropies, advantages, factor, None if unit is None else advantages * unit, old_logps
         )
         terms = self.method.micro_batch_terms(batch, logps, self.context)
         if terms.weights is not None:
-            advantages = advantages * terms.weights
+            advantages = inputs["advantages"] = advantages * terms.weights
         if terms.factor_loss is not None:  # f_t at the current parameters: TRL's masks read this forward's ratio
             now = factor if state is None or deferred else self.loss.factor(inputs, logps_detached, entropies, original)
             call.factor_loss = terms.factor_loss * now * self.loss.num_processes  # DDP averages the ranks' losses
-        inputs["advantages"] = advantages
         call.extra_loss, call.logps, call.factor = terms.extra_loss, logps, factor
         if unit is not None and self.diagnostics:
             stats = flow_stats(original * unit, factor, None if bias is None else original * bias)

@@ -66,8 +66,10 @@ from opefo_trl.trainer import model_setup  # noqa: E402
 from opefo_trl.trainer.checks import (  # noqa: E402
     check_dropout,
     check_finite_policy,
+    check_save_steps,
     check_training_values,
     check_vllm_setup,
+    dataset_steps_per_epoch,
 )
 from opefo_trl.trainer.config import OPEFOConfig, with_opefo_settings  # noqa: E402
 from opefo_trl.trainer.parts import TrainerAccess, build_parts  # noqa: E402
@@ -125,6 +127,8 @@ class OPEFOTrainer(ExtensionHooks, GRPOTrainer):
     _policy_checked: bool = False
     #: What the run trains on (`opefo_trl.runs.training_inputs`), recorded in every checkpoint, compared on resume.
     run_inputs: dict | None = None
+    #: The optimizer steps of an epoch over the training data (None: an iterable data set), for the rollout boundaries.
+    _steps_per_epoch: int | None = None
 
     def __init__(
         self,
@@ -141,7 +145,9 @@ class OPEFOTrainer(ExtensionHooks, GRPOTrainer):
             args = OPEFOConfig(output_dir=f"{name.split('/')[-1]}-GRPO")
         args = with_opefo_settings(args)
         self.run_inputs = run_inputs
+        self._steps_per_epoch = dataset_steps_per_epoch(kwargs.get("train_dataset", pargs[0] if pargs else None), args)
         check_training_values(args)
+        check_save_steps(args, self._steps_per_epoch)
         check_vllm_setup(args, model)
         check_dropout(args, model, kwargs.get("peft_config"))
         self.token_method: TokenMethod = get_token_method_class(args.method).from_config(args)
@@ -229,7 +235,8 @@ class OPEFOTrainer(ExtensionHooks, GRPOTrainer):
         if checkpoint is not None:
             for change in check_resume_options(checkpoint, self.args, self.run_inputs):  # refuses what differs
                 logger.warning(change)
-            check_rollout_boundary(checkpoint, self.args)  # TRL's rollout buffer is not in the checkpoint
+            # TRL's rollout buffer is not in the checkpoint: refused where the token weights come from the rollout
+            check_rollout_boundary(checkpoint, self.args, self._steps_per_epoch, self.token_method.weighs_tokens())
             # Loaded here, on every process, rather than through transformers' `ExportableState`: that restores only
             # callbacks, only with `restore_callback_states_from_checkpoint=True`, and by rebuilding each callback
             # from the JSON of its constructor arguments, whereas the method is no callback and its state must be

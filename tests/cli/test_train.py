@@ -341,13 +341,6 @@ def _cli_error(err: str) -> str:
         (["--gradient_accumulation_steps", "0"], ValueError, "gradient_accumulation_steps=0: must be at least 1."),
         (["--gradient_accumulation_steps", "-1"], ValueError, "gradient_accumulation_steps=-1: must be at least 1."),
         (["--per_device_train_batch_size", "0"], ValueError, "per_device_train_batch_size=0: must be at least 1."),
-        # H: checkpoints between the updates of one rollout (2 here) cannot be resumed.
-        (
-            ["--method", "grpo", "--steps_per_generation", "4", "--save_steps", "3"],
-            ValueError,
-            "save_steps=3 saves between the updates of one rollout: this configuration trains 2 optimizer steps on "
-            "each rollout batch",
-        ),  # fmt: skip
         # Non-finite numbers: before, lr inf trained a non-finite model with exit 0, nan and temperature nan crashed.
         (["--learning_rate", "inf"], ValueError, "learning_rate=inf: must be a finite number"),
         (["--learning_rate", "nan"], ValueError, "learning_rate=nan: must be a finite number"),
@@ -634,13 +627,15 @@ GRPO_RECIPE = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "qw
 
 
 def test_a_resume_at_a_rollout_boundary_trains_what_the_uninterrupted_run_does_and_one_between_is_refused(
-    tiny_model_path, problems_file, tmp_path, reward_module, monkeypatch, capsys, snapshot
+    tiny_model_path, problems_file, tmp_path, reward_module, monkeypatch, capsys, snapshot, caplog
 ):
     """H: two optimizer steps per rollout batch (steps_per_generation 2, gradient_accumulation_steps 1). A resume
     from step 3 of 4, between the two updates of the second rollout, sampled a new rollout and trained step 4 on
-    other completions than the uninterrupted run (TRL's rollout buffer is not in the checkpoint), exit 0. It is now
-    refused before loading, naming checkpoint-2; the resume from checkpoint-2 logs what the uninterrupted run logged
-    and ends with its weights."""
+    other completions than the uninterrupted run (TRL's rollout buffer is not in the checkpoint), exit 0. Under a
+    method whose token weights come from the rollout (kl_cov here) it is refused before loading, naming
+    checkpoint-2, and so is a save_steps that would save such checkpoints; the resume from checkpoint-2 logs what
+    the uninterrupted run logged and ends with its weights. Under method="grpo" it resumes, as GRPOTrainer does,
+    saying what it loses (issue 53)."""
     import torch
     from safetensors.torch import load_file
 
@@ -649,11 +644,28 @@ def test_a_resume_at_a_rollout_boundary_trains_what_the_uninterrupted_run_does_a
     off_policy = dict(gradient_accumulation_steps=1, steps_per_generation=2, save_steps=2, lr_scheduler_type="constant")
     reward = ["--reward_funcs", "opefo_cli_test_rewards.text_length_reward"]
 
-    def argv(out, max_steps, *extra):
+    def argv(out, max_steps, *extra, method="kl_cov"):
         overrides = _cpu_overrides(tiny_model_path, problems_file, str(out), max_steps=max_steps, **off_policy)
-        return ["--config", GRPO_RECIPE, *overrides, "--learning_rate", "1e-3", *reward, *extra]
+        return ["--config", GRPO_RECIPE, *overrides, "--method", method, "--learning_rate", "1e-3", *reward, *extra]
 
-    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    def _error_line(err):  # kl_cov's warnings come first
+        assert "Traceback" not in err
+        return err[err.index("opefo-train: error: ") :]
+
+    schedule = (
+        "TRL samples a rollout every 2 micro-batches (steps_per_generation 2 x num_iterations 1) and an optimizer step "
+        "takes 1 (gradient_accumulation_steps), so a rollout spans 2 optimizer steps. TRL keeps the rollout in memory, "
+        "not in the checkpoint"
+    )
+    whole, stopped, grpo = tmp_path / "whole", tmp_path / "stopped", tmp_path / "grpo"
+    with monkeypatch.context() as refused_before_loading:
+        refused_before_loading.setattr(opefo_trl.trainer, "OPEFOTrainer", lambda *a, **k: pytest.fail("loaded"))
+        assert main(argv(whole, 4, "--save_steps", "3")) == 2
+    assert _error_line(capsys.readouterr().err) == (
+        f"opefo-train: error: save_steps=3 saves checkpoints between the updates of one rollout (at step 3): "
+        f"{schedule}, and method='kl_cov' cannot resume from such a checkpoint (its token weights come from the "
+        "rollout); give a save_steps that is a multiple of 2 (e.g. 4).\n"
+    )
     assert main(argv(whole, 4)) == 0
     assert main(argv(stopped, 3)) == 0  # its final checkpoint, checkpoint-3, is between the updates of a rollout
     assert sorted(n for n in os.listdir(stopped) if n.startswith("checkpoint-")) == ["checkpoint-2", "checkpoint-3"]
@@ -663,13 +675,11 @@ def test_a_resume_at_a_rollout_boundary_trains_what_the_uninterrupted_run_does_a
     with monkeypatch.context() as refused_before_loading:
         refused_before_loading.setattr(opefo_trl.trainer, "OPEFOTrainer", lambda *a, **k: pytest.fail("loaded"))
         assert main(argv(stopped, 4, "--resume_from_checkpoint", "true")) == 2
-    assert _cli_error(capsys.readouterr().err) == (
+    assert _error_line(capsys.readouterr().err) == (
         f"opefo-train: error: Cannot resume {stopped / 'checkpoint-3'}: it was saved at step 3, between the updates of "
-        "one rollout. This run trains 2 optimizer steps on each rollout batch (TRL samples one every "
-        "steps_per_generation 2 x num_iterations 1 micro-batches, an optimizer step takes gradient_accumulation_steps "
-        "1) and keeps the rollout in memory, not in the checkpoint: the resume would sample a new rollout and train "
-        f"step 4 on other completions than the run's. Resume from {stopped / 'checkpoint-2'}, the latest checkpoint "
-        f"at a rollout boundary, with --resume_from_checkpoint {stopped / 'checkpoint-2'}. To keep every checkpoint "
+        f"one rollout. {schedule}: the resume would sample a new rollout and train step 4 on other completions, with "
+        f"other token weights, than the run's. Resume from {stopped / 'checkpoint-2'}, the latest checkpoint at a "
+        f"rollout boundary, with --resume_from_checkpoint {stopped / 'checkpoint-2'}. To keep every checkpoint "
         "resumable, make save_steps (and max_steps) a multiple of 2.\n"
     )
     assert snapshot(tmp_path) == before
@@ -685,6 +695,16 @@ def test_a_resume_at_a_rollout_boundary_trains_what_the_uninterrupted_run_does_a
     weights, expected = load_file(str(stopped / "model.safetensors")), load_file(str(whole / "model.safetensors"))
     for name, tensor in expected.items():
         torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-7, msg=name)
+
+    assert main(argv(grpo, 3, method="grpo")) == 0
+    with caplog.at_level("WARNING", logger="opefo_trl.runs"):
+        assert main(argv(grpo, 4, "--resume_from_checkpoint", "true", method="grpo")) == 0
+    assert [m for m in caplog.messages if m.startswith("Resuming")] == [
+        f"Resuming {grpo / 'checkpoint-3'}: it was saved at step 3, between the updates of one rollout. {schedule}, "
+        "so, as GRPOTrainer does, the resume samples a new rollout and trains step 4 on other completions than the "
+        "uninterrupted run would."
+    ]
+    assert [m["step"] for m in _metrics(str(grpo)) if "loss" in m] == [1, 2, 3, 4]
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -18,13 +18,14 @@ from opefo_trl.runs import (
     METHOD_STATE_NAME,
     CheckpointError,
     CheckpointSaveError,
+    at_rollout_boundary,
     check_checkpoint,
     check_rollout_boundary,
     load_method_state,
     mark_checkpoint_complete,
     resume_checkpoint,
+    rollout_boundary_period,
     saving_checkpoint,
-    updates_per_rollout,
 )
 
 
@@ -269,22 +270,42 @@ def test_a_failed_first_checkpoint_does_not_advise_a_resume_with_nothing_to_resu
     assert "--resume_from_checkpoint" not in str(raised.value)
 
 
+def _trls_boundaries(generate_every: int, accumulation: int, micro_batches_per_epoch: int, epochs: int) -> list[int]:
+    """The optimizer steps after which TRL 1.16 samples a new rollout, simulated: transformers' Trainer gives each
+    step `accumulation` micro-batches (the last of an epoch the remainder), TRL counts them over the run (`_step`)
+    and samples at every multiple of `generate_every` (GRPOTrainer._prepare_inputs)."""
+    boundaries, step, micro_batches = [], 0, 0
+    for _ in range(epochs):
+        left = micro_batches_per_epoch
+        while left:
+            taken = min(accumulation, left)
+            left, micro_batches, step = left - taken, micro_batches + taken, step + 1
+            if micro_batches % generate_every == 0:
+                boundaries.append(step)
+    return boundaries
+
+
 @pytest.mark.parametrize(
-    "steps_per_generation, num_iterations, accumulation, per_rollout",
-    [(2, 1, 2, 1), (2, 1, 4, 1), (16, 1, 2, 8), (4, 2, 2, 4), (2, 1, 3, 2)],
+    "steps_per_generation, num_iterations, accumulation, period",
+    [(2, 1, 2, 1), (2, 1, 4, 1), (16, 1, 2, 8), (4, 2, 2, 4), (2, 1, 3, 2), (4, 2, 3, 8), (3, 1, 2, 3), (2, 1, 6, 1)],
 )
-def test_the_updates_per_rollout_are_trls(steps_per_generation, num_iterations, accumulation, per_rollout):
-    """TRL 1.16 samples a rollout every steps_per_generation x num_iterations micro-batches; a new one starts right
-    after the optimizer steps whose micro-batches end on that period (GRPOTrainer._prepare_inputs)."""
+def test_the_rollout_boundaries_are_trls(steps_per_generation, num_iterations, accumulation, period):
+    """TRL 1.16 samples a rollout every steps_per_generation x num_iterations micro-batches, counted over the run;
+    within an epoch the steps that end on one are the multiples of the period, and every epoch ends on one (an
+    epoch's micro-batches are a multiple of the rollout's, the last step of an epoch takes the remainder)."""
     args = SimpleNamespace(
         steps_per_generation=steps_per_generation,
         num_iterations=num_iterations,
         gradient_accumulation_steps=accumulation,
     )
-    assert updates_per_rollout(args) == per_rollout
+    assert rollout_boundary_period(args) == period
     generate_every = steps_per_generation * num_iterations
-    boundaries = [step for step in range(1, 13) if (step * accumulation) % generate_every == 0]  # TRL's `_step` rule
-    assert boundaries == [step for step in range(1, 13) if step % per_rollout == 0]
+    for rollouts_per_epoch in (1, 2, 5):
+        micro_batches = rollouts_per_epoch * generate_every
+        steps_per_epoch = -(-micro_batches // accumulation)
+        steps = range(1, 3 * steps_per_epoch + 1)
+        expected = _trls_boundaries(generate_every, accumulation, micro_batches, epochs=3)
+        assert [step for step in steps if at_rollout_boundary(step, args, steps_per_epoch)] == expected
 
 
 def test_a_checkpoint_between_the_updates_of_a_rollout_is_refused_naming_the_last_one_at_a_boundary(
@@ -299,13 +320,36 @@ def test_a_checkpoint_between_the_updates_of_a_rollout_is_refused_naming_the_las
     with pytest.raises(CheckpointError) as raised:
         check_rollout_boundary(str(tmp_path / "checkpoint-7"), args)
     assert str(raised.value).startswith(
-        f"Cannot resume {tmp_path / 'checkpoint-7'}: it was saved at step 7, between the updates of one rollout. This "
-        "run trains 4 optimizer steps on each rollout batch"
+        f"Cannot resume {tmp_path / 'checkpoint-7'}: it was saved at step 7, between the updates of one rollout. TRL "
+        "samples a rollout every 8 micro-batches (steps_per_generation 8 x num_iterations 1) and an optimizer step "
+        "takes 2 (gradient_accumulation_steps), so a rollout spans 4 optimizer steps. TRL keeps the rollout in "
+        "memory, not in the checkpoint: the resume would sample a new rollout and train step 8 on other completions"
     )
-    assert "train step 8 on other completions" in str(raised.value)
     assert f"Resume from {tmp_path / 'checkpoint-4'}, the latest checkpoint at a rollout boundary" in str(raised.value)
     with pytest.raises(CheckpointError, match="No checkpoint before it is at a rollout boundary: start afresh"):
         check_rollout_boundary(str(tmp_path / "checkpoint-3"), args)
+    # With epochs of 6 steps, step 6 ends an epoch (a boundary) and step 7 is the first of the next rollout's 4.
+    check_rollout_boundary(str(tmp_path / "checkpoint-6"), args, steps_per_epoch=6)
+    with pytest.raises(CheckpointError, match="train steps 8-10 on other completions"):
+        check_rollout_boundary(str(tmp_path / "checkpoint-7"), args, steps_per_epoch=6)
+
+
+def test_grpo_resumes_between_the_updates_of_a_rollout_as_grpo_trainer_does_with_a_warning(
+    tmp_path, write_checkpoint, caplog
+):
+    """Issue 53: method="grpo" refused what GRPOTrainer resumes. Without ``refuse`` the resume goes on, and says that
+    the rest of the rollout's updates train on a new rollout (what an uninterrupted run would not)."""
+    args = SimpleNamespace(steps_per_generation=4, num_iterations=2, gradient_accumulation_steps=3)  # TRL's test's
+    checkpoint = write_checkpoint(tmp_path, 4)
+    with caplog.at_level("WARNING", logger="opefo_trl.runs"):
+        check_rollout_boundary(str(checkpoint), args, refuse=False)
+    assert caplog.messages == [
+        f"Resuming {checkpoint}: it was saved at step 4, between the updates of one rollout. TRL samples a rollout "
+        "every 8 micro-batches (steps_per_generation 4 x num_iterations 2) and an optimizer step takes 3 "
+        "(gradient_accumulation_steps), so a rollout spans 8/3 optimizer steps and ends where a step ends only every "
+        "8 steps (3 rollouts). TRL keeps the rollout in memory, not in the checkpoint, so, as GRPOTrainer does, the "
+        "resume samples a new rollout and trains steps 5-8 on other completions than the uninterrupted run would."
+    ]
 
 
 def test_a_same_step_folder_that_cannot_be_removed_is_one_line(tmp_path, monkeypatch):

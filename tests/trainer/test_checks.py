@@ -6,6 +6,7 @@ import asyncio
 import inspect
 import os
 import re
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
@@ -493,6 +494,107 @@ def test_planned_steps_are_the_steps_trls_data_loader_and_transformers_train(
     loader = trainer.get_train_dataloader()
     expected = 0 if len(loader) == 0 else trainer.set_initial_training_values(args, loader)[-1]
     assert planned_steps(num_prompts, args) == expected
+
+
+#: TRL's `test_prepare_input_called_with_correct_data`: 8 micro-batches a rollout, 3 a step.
+TRLS_OFF_POLICY = dict(num_iterations=2, steps_per_generation=4, gradient_accumulation_steps=3)
+
+
+def _save_settings(**overrides):
+    settings = {"save_strategy": "steps", "save_steps": 500, "max_steps": -1, "num_train_epochs": 3.0}
+    return SimpleNamespace(**{**settings, **TRLS_OFF_POLICY, **overrides})
+
+
+@pytest.mark.parametrize(
+    "overrides, steps_per_epoch, saves",
+    [
+        (dict(), 6, []),  # TRL's test: 3 epochs of 6 steps, no checkpoint before the last
+        (dict(max_steps=16), None, []),  # the data not known yet: checked when it is
+        (dict(max_steps=16, save_steps=8), 100, []),  # steps 8 and 16 end the 1st and 3rd rollouts
+        (dict(max_steps=16, save_steps=4), 100, [4, 12]),
+        (dict(save_steps=6), 6, []),  # every epoch ends on a rollout boundary
+        # 4 rollouts an epoch (32 micro-batches): 11 steps, ending rollouts at steps 8 and 11, 19 and 22, 30 and 33
+        (dict(save_steps=8), 11, [16, 24, 32]),
+        (dict(save_steps=0.25), 11, [9, 18, 27]),  # a fraction of the run's 33 steps: every 9
+        (dict(save_steps=4, save_strategy="epoch"), 10, []),
+    ],
+)
+def test_the_checkpoints_between_the_updates_of_a_rollout_are_those_the_run_saves(overrides, steps_per_epoch, saves):
+    from opefo_trl.trainer.checks import mid_rollout_saves
+
+    assert mid_rollout_saves(_save_settings(**overrides), steps_per_epoch) == saves
+
+
+def test_a_checkpoint_between_the_updates_of_a_rollout_warns_under_grpo_and_is_refused_by_a_weighting_method():
+    """Issue 53: save_steps was refused under every method whenever it was not a multiple of the rollout's steps,
+    even where no checkpoint was saved before the run's end (TRL's own test, max_steps 16 < save_steps 500); its
+    message said "8 optimizer steps on each rollout batch" where the 8 steps span 3 rollouts."""
+    from opefo_trl.trainer.checks import check_save_steps
+
+    schedule = (
+        "TRL samples a rollout every 8 micro-batches (steps_per_generation 4 x num_iterations 2) and an optimizer "
+        "step takes 3 (gradient_accumulation_steps), so a rollout spans 8/3 optimizer steps and ends where a step ends "
+        "only every 8 steps (3 rollouts). TRL keeps the rollout in memory, not in the checkpoint"
+    )
+    for method in ("grpo", "kl_cov"):  # nothing saved between the updates of a rollout: neither says anything
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            check_save_steps(_save_settings(max_steps=16, method=method), 100)
+    args = _save_settings(max_steps=16, save_steps=4, method="grpo")
+    with pytest.warns(UserWarning) as caught:
+        check_save_steps(args, 100)
+    assert [str(w.message) for w in caught] == [
+        f"save_steps=4 saves checkpoints between the updates of one rollout (at steps 4, 12): {schedule}, so a resume "
+        "from one of them samples a new rollout and trains the rest of that rollout's updates on other completions "
+        "than this run does (as GRPOTrainer's resume does). With a save_steps that is a multiple of 8 (e.g. 8) every "
+        "checkpoint is at a rollout boundary."
+    ]
+    with pytest.raises(ValueError) as raised:
+        check_save_steps(_save_settings(max_steps=16, save_steps=4, method="kl_cov"), 100)
+    assert str(raised.value) == (
+        f"save_steps=4 saves checkpoints between the updates of one rollout (at steps 4, 12): {schedule}, and "
+        "method='kl_cov' cannot resume from such a checkpoint (its token weights come from the rollout); give a "
+        "save_steps that is a multiple of 8 (e.g. 8)."
+    )
+    # Over epochs of 11 steps, no multiple of 8 keeps clear of the rollouts (they restart at each epoch's end).
+    with pytest.raises(ValueError, match=re.escape("(at steps 16, 24, 32)")) as raised:
+        check_save_steps(_save_settings(save_steps=8, method="kl_cov"), 11)
+    assert str(raised.value).endswith("give save_strategy='epoch' (every epoch ends on a rollout boundary).")
+
+
+def test_trls_own_off_policy_configuration_trains_under_method_grpo(
+    tiny_model_path, tiny_dataset, length_reward, tmp_path
+):
+    """Issue 53: TRL's `test_prepare_input_called_with_correct_data` (num_iterations 2, steps_per_generation 4,
+    accumulation 3, TRL's save_steps 500) was refused at construction under method="grpo". It builds with no
+    warning and trains its epoch: 2 rollouts of 8 micro-batches, each trained on num_iterations times."""
+    from unittest import mock
+
+    from trainer_setup import make_config, make_trainer
+    from trl import GRPOTrainer
+
+    args = make_config(
+        tmp_path,
+        method="grpo",
+        per_device_train_batch_size=6,
+        num_generations=4,
+        max_steps=-1,
+        num_train_epochs=1,
+        save_strategy="steps",
+        save_steps=500,
+        shuffle_dataset=False,
+        **TRLS_OFF_POLICY,
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="save_steps=")
+        trainer = make_trainer(tiny_model_path, tiny_dataset, length_reward, args)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    with mock.patch.object(GRPOTrainer, "training_step", wraps=trainer.training_step) as training_step:
+        trainer.train()
+    assert training_step.call_count == 16 and trainer.state.global_step == 6  # 16 prompts: 2 generation batches of 6
+    batches = [call.args[1] for call in training_step.call_args_list]  # the generation batch each step is given
+    assert batches[:8] == [batches[0]] * 8 and batches[8:] == [batches[8]] * 8 and batches[0] != batches[8]
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
 
 
 def _audit_config(tmp_path, **overrides):
