@@ -181,9 +181,7 @@ def _parameters_after_one_step(train, args, trainer_class):
 TIMINGS = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
 
 
-@pytest.mark.parametrize(
-    "loss_type, level", [(loss, level) for loss in LOSS_TYPES for level in ("token", "sequence")]
-)
+@pytest.mark.parametrize("loss_type, level", [(loss, level) for loss in LOSS_TYPES for level in ("token", "sequence")])
 def test_method_grpo_trains_bit_for_bit_what_grpo_trainer_trains(train, tmp_path, loss_type, level):
     """Issue 53: under luspo the parameters after one step differed from GRPOTrainer's by 2.9e-5 relative (TRL was
     handed (B, T) advantages where it computes with (B,) ones, so its sums ran in another order). Every loss type
