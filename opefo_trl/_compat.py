@@ -40,6 +40,7 @@ TRL_HOOKS: dict[str, tuple[str, ...]] = {
     "create_optimizer": (),
     "train": ("resume_from_checkpoint",),
     "_save_checkpoint": ("model", "trial"),
+    "save_model": ("output_dir", "_internal_call"),
     "_get_output_dir": ("trial",),
     "_tokenize_prompts": ("prompts",),
     "_generate_single_turn": ("prompt_ids", "images", "multimodal_fields", "num_generations"),

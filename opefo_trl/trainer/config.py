@@ -92,7 +92,7 @@ class EntropyFlowSettings:
         "the estimate's on-policy mean accounts for: entropy_flow/bias_net (sum of f_t A_t E_pi[u_t]), "
         "entropy_flow/lambda_bias and entropy_flow/lambda_net_of_bias (docs/metrics.md). For 'opefo' and 'onaction', "
         "whose on-policy mean is not zero, it takes the vocabulary pass 'full' takes; for 'opefo_centered', 'full' and "
-        "'sign' the bias is 0 exactly and costs nothing; 'param' has none.",
+        "'sign' it is 0 exactly and not logged; 'param' has none.",
     )
     entropy_flow_task_tokens: list[int] | None = setting(
         None,

@@ -21,7 +21,7 @@ from opefo_trl.experimental import extension_parts
 from opefo_trl.experimental.entropy_audit import EntropyAudit
 from opefo_trl.experimental.param_estimate import ParamEstimate
 from opefo_trl.experimental.task_tokens import task_token_ids
-from opefo_trl.maths.entropy_flow import TABULAR_ESTIMATES
+from opefo_trl.maths.entropy_flow import BIASED_ESTIMATES, TABULAR_ESTIMATES
 from opefo_trl.maths.lm_head import core_model
 from opefo_trl.maths.ranks import ReduceSum
 from opefo_trl.methods import TokenMethod
@@ -139,7 +139,7 @@ def build_parts(trainer: Any, probe_prompts: Any = None) -> Parts:
             stacklevel=3,
         )
     moments = needs_moments(args)
-    bias = args.entropy_flow_bias_diagnostics and estimate in TABULAR_ESTIMATES
+    bias = args.entropy_flow_bias_diagnostics and estimate in BIASED_ESTIMATES
     if rollout_flow:
         rollout = RolloutWeigher(
             method,

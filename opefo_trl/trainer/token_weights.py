@@ -45,7 +45,6 @@ import torch
 
 from opefo_trl.experimental.stand_ins import served_scores, write_gradient
 from opefo_trl.maths.entropy_flow import (
-    BIASED_ESTIMATES,
     TABULAR_ESTIMATES,
     FlowStats,
     flow_per_unit_advantage,
@@ -88,10 +87,8 @@ def carried_scores(batch: dict, pop: bool = False) -> Scores | None:
 
 
 def unit_bias(estimate: str, scores: Scores) -> torch.Tensor:
-    """E_pi[u_t] at each position (``entropy_flow.on_policy_mean``): from the moments for an estimate whose on-policy
-    mean is not zero, 0 exactly (and no moments needed) for the other tabular estimates."""
-    if estimate not in BIASED_ESTIMATES:
-        return torch.zeros_like(scores.logps, dtype=torch.float32)
+    """E_pi[u_t] at each position (``entropy_flow.on_policy_mean``) of an estimate whose on-policy mean is not zero
+    (``BIASED_ESTIMATES``; the others' is 0 exactly and is not logged), from the moments."""
     moment2, moment3 = scores.moments
     assert moment2 is not None and moment3 is not None  # the bias diagnostic turns the vocabulary pass on
     return on_policy_mean(estimate, moment2, moment3)
@@ -453,7 +450,7 @@ class MicroBatchWeigher:
     def needs_moments(self, state: MicroBatchState | None) -> bool:
         """Whether the loss forward's surprise-gap moments are needed (the rollout pass did not compute them)."""
         deferred = state is not None and state.deferred
-        return self.moments and (deferred or (self.diagnostics and not self.rollout_flow))
+        return self.moments and (deferred or (state is None and self.diagnostics))
 
     def loss_call(self, inputs: dict) -> LossCall:
         return LossCall(self, inputs)

@@ -20,15 +20,22 @@ def _load():
 weight_path = _load()
 
 
-def test_the_recipes_token_weight_passes_through_six_modules():
-    """The hook, the rollout pass and loss forward, TRL's loss factor, the flow, the method and its protocol; the
-    reward check and the audit's bookkeeping run in the window too, off the weight's path."""
+def test_the_recipes_token_weight_passes_through_eleven_modules():
+    """The hook, the rollout pass and loss forward, TRL's loss factor, the flow, the method and its protocol, and the
+    vocabulary pass of the `opefo` estimate's bias diagnostic (on by default: the moments S_2, S_3 from the hidden
+    states, carried with the scores); the reward check and the audit's bookkeeping run in the window too, off the
+    weight's path."""
     trace = weight_path.trace("recipes")
     assert trace["weight_path"] == [
         "maths/entropy_flow.py",
+        "maths/lm_head.py",
+        "maths/vocab_stats.py",
         "methods/base.py",
         "methods/opefo.py",
+        "trainer/batch_state.py",
         "trainer/loss_mirror.py",
+        "trainer/parts.py",
+        "trainer/scoring.py",
         "trainer/token_weights.py",
         "trainer/trainer.py",
     ]

@@ -1589,7 +1589,7 @@ class _NoPolicy:
     def check(self):
         pass
 
-    def check_resume(self, steps, inputs=None):
+    def check_resume(self, steps, inputs=None, steps_per_epoch=None):
         pass
 
 
