@@ -218,8 +218,8 @@ def check_estimate_backend(estimate: str, *, deepspeed: bool, fsdp: bool, compil
     if (estimate in VOCABULARY_ESTIMATES or estimate == "param") and fsdp:
         raise ValueError(
             f"entropy_flow_estimate={estimate!r} is not supported under FSDP (the LM head and the parameters are "
-            f"sharded outside the forward). Use DDP (recipes/accelerate/ddp.yaml), DeepSpeed ZeRO-3 for {estimate!r} "
-            "(unless 'param'), or a log-prob estimate ('opefo', 'onaction', 'sign')."
+            "sharded outside the forward). Use DDP (recipes/accelerate/ddp.yaml), DeepSpeed ZeRO-3 for 'full' or "
+            "'opefo_centered', or a log-prob estimate ('opefo', 'onaction', 'sign')."
         )
     if estimate == "param" and deepspeed:
         raise ValueError(

@@ -223,3 +223,21 @@ def test_every_field_has_help_text():
         "kl_cov_ratio",
     }
     assert all(f.metadata.get("help") for f in new)
+
+
+@pytest.mark.parametrize("backend", [dict(torch_compile=True), dict(fsdp="full_shard")])
+def test_the_bias_diagnostic_a_backend_cannot_run_is_switched_off_with_one_warning(backend):
+    """The bias part of `opefo`'s lambda* needs a vocabulary pass that a compiled model and FSDP do not allow: it is
+    switched off with one warning naming why, and the configuration trains (the estimate itself needs no such pass);
+    a zero-mean estimate has no bias part to switch off."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        args = config(**backend)
+    said = [w for w in caught if "entropy_flow_bias_diagnostics" in str(w.message)]
+    assert len(said) == 1 and "Training goes on" in str(said[0].message)
+    assert args.entropy_flow_bias_diagnostics is False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        args = config(entropy_flow_estimate="sign", **backend)
+    assert args.entropy_flow_bias_diagnostics is True
+    assert not [w for w in caught if "entropy_flow_bias_diagnostics" in str(w.message)]
